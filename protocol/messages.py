@@ -1,0 +1,335 @@
+"""Every message that crosses a process boundary, as msgspec Structs.
+
+Three conversations share these types:
+
+* frontend <-> engine-core (ZMQ DEALER/ROUTER): ``Hello`` / ``Ready`` handshake, ``AddRequest``,
+  ``Abort``, ``Heartbeat``, ``UtilityCall`` one way; ``Outputs``, ``Error``, ``UtilityResult`` back.
+* engine-core <-> workers: ``WorkerReady`` / ``InitKVCache`` handshake, ``SchedulerOutput`` to every
+  rank, ``ModelRunnerOutput`` (or ``WorkerError``) back from rank 0.
+* everybody: ``SamplingParams``.
+
+Top-level messages are tagged msgpack arrays: ``[tag, field1, field2, ...]`` in declaration order,
+so one decoder per direction accepts exactly the union it expects, and frames stay small.
+No pickle anywhere: these Structs are the whole vocabulary of the wire.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import Struct
+
+# --------------------------------------------------------------------------------------------
+# Shared
+# --------------------------------------------------------------------------------------------
+
+
+class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """How to pick tokens for one request (one sample; the frontend fans out ``n``).
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k. ``logprobs`` is the number of
+    top alternatives to report per sampled token (``None``: no logprobs at all; ``0``: only the
+    sampled token's own logprob).
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def validate(self, vocab_size: int | None = None) -> str | None:
+        """Return a message naming the first bad field, or None when the params are usable."""
+        if self.max_tokens < 1:
+            return f"max_tokens must be >= 1, got {self.max_tokens}"
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            return f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+        if not (self.temperature >= 0.0):
+            return f"temperature must be >= 0, got {self.temperature}"
+        if not (0.0 < self.top_p <= 1.0):
+            return f"top_p must be in (0, 1], got {self.top_p}"
+        if self.top_k < -1:
+            return f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"
+        if not (0.0 <= self.min_p <= 1.0):
+            return f"min_p must be in [0, 1], got {self.min_p}"
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            return f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            return f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+        if not (self.repetition_penalty > 0.0):
+            return f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            return f"logprobs must be in [0, 20], got {self.logprobs}"
+        if vocab_size is not None:
+            for t in self.stop_token_ids:
+                if not (0 <= t < vocab_size):
+                    return f"stop_token_ids contains {t}, outside the vocabulary [0, {vocab_size})"
+        return None
+
+
+class TokenLogprobs(Struct, array_like=True):
+    """Logprobs of one sampled token: the sampled token first, then the top-n alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # 1-based rank of the sampled token in the full distribution
+
+
+# --------------------------------------------------------------------------------------------
+# engine-core <-> workers
+# --------------------------------------------------------------------------------------------
+
+
+class NewRequestData(Struct, array_like=True):
+    """A request the workers have not seen yet: sent once, with its whole prompt."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit: these tokens' KV is already in block_ids
+
+
+class CachedRequestData(Struct, array_like=True):
+    """A request the workers already hold: only what changed since the last step.
+
+    When ``resumed_from_preemption`` is set, ``new_block_ids`` replaces the whole block table
+    (the request's old blocks were freed) instead of extending it.
+    """
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    resumed_from_preemption: bool = False
+
+
+class SchedulerOutput(Struct, tag="sched", array_like=True):
+    """One step: which requests run and how many of their tokens."""
+
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Speculative tokens to verify this step, per request (counted in num_scheduled_tokens).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Requests that finished or were aborted since the last step: workers drop their state.
+    finished_req_ids: list[str] = []
+    # Requests preempted this step: workers drop them from the running batch but keep their
+    # tokens, since a preempted request comes back as a CachedRequestData resumed_from_preemption.
+    preempted_req_ids: list[str] = []
+
+
+class ModelRunnerOutput(Struct, tag="mro", array_like=True):
+    """Results of one step from rank 0, aligned with ``req_ids``.
+
+    A request whose scheduled chunk did not reach the end of its known tokens (a partial prefill)
+    gets an empty list in ``sampled_token_ids``.
+    """
+
+    step_id: int
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[TokenLogprobs | None] | None = None
+    spec_token_ids: list[list[int]] | None = None
+    # Worker-side timing of this step in seconds: input building, forward, sampling.
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+class WorkerConfig(Struct, forbid_unknown_fields=True):
+    """Everything a worker process needs to start; passed on its command line as JSON."""
+
+    model: str
+    rank: int = 0
+    world_size: int = 1
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    attention_backend: str = "auto"
+    kv_cache_memory: int | None = None  # bytes; None = a share of available memory
+    num_kv_blocks: int | None = None
+    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
+    dist_init_addr: str = ""  # tcp://127.0.0.1:PORT for torch.distributed when world_size > 1
+    engine_input_addr: str = ""  # where SchedulerOutputs come from (engine binds PUB/PUSH)
+    engine_output_addr: str = ""  # where results go (engine binds PULL)
+    num_threads: int | None = None
+
+
+class WorkerReady(Struct, tag="worker_ready", array_like=True):
+    """A worker loaded its model and measured how many KV blocks it can hold."""
+
+    rank: int
+    num_kv_blocks: int
+    block_size: int
+    attention_backend: str
+    dtype: str
+    device: str
+
+
+class InitKVCache(Struct, tag="init_kv", array_like=True):
+    """The engine's decision (min over ranks): allocate this many blocks per layer."""
+
+    num_kv_blocks: int
+
+
+class WorkerShutdown(Struct, tag="shutdown", array_like=True):
+    """Ask workers to exit cleanly."""
+
+
+class WorkerError(Struct, tag="worker_error", array_like=True):
+    """A worker failed; ``message`` carries the root cause (exception type and text)."""
+
+    rank: int
+    message: str
+    step_id: int = -1
+
+
+EngineToWorker = SchedulerOutput | InitKVCache | WorkerShutdown
+WorkerToEngine = ModelRunnerOutput | WorkerReady | WorkerError
+
+# --------------------------------------------------------------------------------------------
+# frontend <-> engine-core
+# --------------------------------------------------------------------------------------------
+
+
+class Hello(Struct, tag="hello", array_like=True, forbid_unknown_fields=True):
+    """First message of a frontend: its protocol version and a name for logs."""
+
+    protocol_version: int
+    client_name: str = ""
+
+
+class AddRequest(Struct, tag="request", array_like=True, forbid_unknown_fields=True):
+    """Submit a request. ``request_id`` is unique among this client's live requests."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    priority: int = 0
+    arrival_time: float = 0.0  # unix seconds at the frontend; 0 = when the engine receives it
+
+
+class Abort(Struct, tag="abort", array_like=True, forbid_unknown_fields=True):
+    """Abort requests of this client; unknown or finished ids are ignored."""
+
+    request_ids: list[str]
+
+
+class Heartbeat(Struct, tag="heartbeat", array_like=True):
+    """Liveness ping; the engine answers with an (empty) Outputs carrying fresh stats."""
+
+
+class UtilityCall(Struct, tag="utility", array_like=True, forbid_unknown_fields=True):
+    """Call an engine method by name: ``reset_prefix_cache``, ``get_stats``."""
+
+    call_id: int
+    method: str
+
+
+FrontendToEngine = Hello | AddRequest | Abort | Heartbeat | UtilityCall
+
+
+class Ready(Struct, tag="ready", array_like=True):
+    """Answer to Hello: the facts a frontend needs about the served model and engine."""
+
+    protocol_version: int
+    model_name: str
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    block_size: int
+    num_kv_blocks: int
+    max_num_batched_tokens: int
+    engine_id: str
+
+
+class RequestOutput(Struct, array_like=True, omit_defaults=True):
+    """New tokens of one request since its previous RequestOutput.
+
+    ``finish_reason`` is set on the last one: "stop" (EOS or a stop token), "length"
+    (max_tokens or max_model_len), "abort", or "error".
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    stop_reason: int | None = None  # the stop token id that ended the request, if any
+
+
+class SchedulerStats(Struct, array_like=True):
+    """A snapshot of the engine's state, sent with every Outputs message."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # cumulative, in tokens
+    prefix_cache_hits: int = 0  # cumulative, in tokens
+    num_preemptions: int = 0  # cumulative
+    num_steps: int = 0  # cumulative
+    num_prompt_tokens: int = 0  # cumulative tokens computed for prompts (prefill)
+    num_generation_tokens: int = 0  # cumulative tokens sampled
+    schedule_s: float = 0.0  # cumulative seconds in Scheduler.schedule
+    update_s: float = 0.0  # cumulative seconds in Scheduler.update_from_output
+    worker_prepare_s: float = 0.0  # cumulative worker seconds building inputs
+    worker_forward_s: float = 0.0  # cumulative worker seconds in the forward pass
+    worker_sample_s: float = 0.0  # cumulative worker seconds sampling
+    worker_idle_s: float = 0.0  # cumulative seconds the engine had no step in flight
+
+
+class Outputs(Struct, tag="outputs", array_like=True):
+    """Outputs for one client's requests after a step, and the engine's stats."""
+
+    outputs: list[RequestOutput]
+    stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+
+
+class Error(Struct, tag="error", array_like=True):
+    """Something went wrong. ``request_id`` is set when it concerns one request (that request is
+    finished); otherwise it concerns the connection or the whole engine (``fatal``: the engine is
+    going away and every pending request of this client is lost)."""
+
+    code: str
+    message: str
+    request_id: str | None = None
+    fatal: bool = False
+
+
+class UtilityResult(Struct, tag="utility_result", array_like=True):
+    call_id: int
+    ok: bool
+    result: SchedulerStats | bool | None = None
+    message: str = ""
+
+
+EngineToFrontend = Ready | Outputs | Error | UtilityResult
+
+# Error codes (also listed in protocol/README.md).
+ERR_BAD_FRAME = "bad_frame"  # undecodable bytes, unknown tag, wrong field type, oversize
+ERR_VERSION = "version_mismatch"
+ERR_NOT_READY = "no_hello"  # a message before Hello
+ERR_INVALID_REQUEST = "invalid_request"  # bad params, out-of-vocab ids, too long prompt
+ERR_DUPLICATE_ID = "duplicate_request_id"
+ERR_WORKER_DIED = "worker_died"
+ERR_ENGINE_SHUTDOWN = "engine_shutdown"
+ERR_UNKNOWN_METHOD = "unknown_method"
+
+
+def to_json(obj: Struct) -> bytes:
+    return msgspec.json.encode(obj)

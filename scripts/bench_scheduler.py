@@ -1,0 +1,128 @@
+"""Time Scheduler.schedule() + update_from_output() per step, with no model at all.
+
+Workloads: N requests all decoding (N = 64, 256, 1024), and a mixed one where long prompts with a
+shared system prefix arrive while requests decode, so steps mix chunked prefills, prefix-cache
+hits and decodes. Sampled tokens are made up outside the timed region. "us/request" is the median over steps of
+(step time / requests in the step). On a shared machine, look at min and median: p99 mostly
+measures other processes taking the CPU.
+
+    python scripts/bench_scheduler.py [--steps 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from evenflow.core.config import SchedulerConfig
+from evenflow.core.request import Request
+from evenflow.core.scheduler import Scheduler
+from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
+
+
+@dataclass
+class StepTimes:
+    name: str
+    step_us: list[float]
+    requests_per_step: list[int]
+
+    def row(self) -> str:
+        ordered = sorted(self.step_us)
+        median = statistics.median(ordered)
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        per_request = statistics.median(t / max(n, 1) for t, n in zip(self.step_us, self.requests_per_step))
+        mean_reqs = statistics.mean(self.requests_per_step)
+        return (
+            f"| {self.name:<34} | {mean_reqs:9.1f} | {ordered[0]:11.1f} | {median:14.1f} | {p99:11.1f} "
+            f"| {per_request:10.2f} |"
+        )
+
+
+def fake_output(scheduler: Scheduler, output: SchedulerOutput, rng: random.Random) -> ModelRunnerOutput:
+    """What a model would return: one token for every request whose chunk reached its end."""
+    req_ids = list(output.num_scheduled_tokens)
+    requests = scheduler.requests
+    sampled = [[rng.randrange(1, 32000)] if requests[r].num_output_placeholders else [] for r in req_ids]
+    return ModelRunnerOutput(output.step_id, req_ids, sampled)
+
+
+def timed_step(scheduler: Scheduler, rng: random.Random) -> tuple[float, int]:
+    start = time.perf_counter()
+    output = scheduler.schedule()
+    scheduled = time.perf_counter() - start
+    mro = fake_output(scheduler, output, rng)
+    start = time.perf_counter()
+    scheduler.update_from_output(output, mro)
+    updated = time.perf_counter() - start
+    return (scheduled + updated) * 1e6, len(output.num_scheduled_tokens)
+
+
+def bench_decodes(num_requests: int, num_steps: int) -> StepTimes:
+    rng = random.Random(0)
+    config = SchedulerConfig(
+        num_kv_blocks=num_requests * 64,
+        max_num_seqs=num_requests,
+        max_num_batched_tokens=max(2048, num_requests),
+        max_model_len=4096,
+    )
+    scheduler = Scheduler(config)
+    for i in range(num_requests):
+        prompt = [rng.randrange(1, 32000) for _ in range(128)]
+        scheduler.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=100_000, ignore_eos=True)))
+    while any(r.num_output_tokens == 0 for r in scheduler.requests.values()):  # prefill everybody
+        timed_step(scheduler, rng)
+    times, counts = zip(*(timed_step(scheduler, rng) for _ in range(num_steps)))
+    return StepTimes(f"{num_requests} decodes", list(times), list(counts))
+
+
+def bench_mixed(num_steps: int) -> StepTimes:
+    """128 decoders; a new 1-3k-token prompt (1k shared system prefix) every other step."""
+    rng = random.Random(1)
+    config = SchedulerConfig(num_kv_blocks=40_000, max_model_len=8192)
+    scheduler = Scheduler(config)
+    system_prompt = [rng.randrange(1, 32000) for _ in range(1024)]
+    next_id = 0
+
+    def arrive(prompt_len: int, max_tokens: int) -> None:
+        nonlocal next_id
+        prompt = system_prompt + [rng.randrange(1, 32000) for _ in range(prompt_len - len(system_prompt))]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        scheduler.add_request(Request(f"m{next_id}", prompt, params))
+        next_id += 1
+
+    for _ in range(128):
+        arrive(1100, rng.randrange(200, 2000))
+    while any(r.num_output_tokens == 0 for r in scheduler.requests.values()):
+        timed_step(scheduler, rng)
+    times, counts = [], []
+    for step in range(num_steps):
+        if step % 2 == 0:
+            arrive(rng.randrange(1100, 3000), rng.randrange(50, 500))
+        elapsed, count = timed_step(scheduler, rng)
+        times.append(elapsed)
+        counts.append(count)
+    stats = scheduler.get_stats()
+    hit_rate = stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1)
+    return StepTimes(f"mixed: prefill chunks, {hit_rate:.0%} hits", times, counts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=400, help="timed steps per workload")
+    args = parser.parse_args()
+    results = [bench_decodes(n, args.steps) for n in (64, 256, 1024)] + [bench_mixed(args.steps)]
+    print(
+        "| workload                           | reqs/step | min us/step | median us/step | p99 us/step | us/request |"
+    )
+    print(
+        "|------------------------------------|----------:|------------:|---------------:|------------:|-----------:|"
+    )
+    for result in results:
+        print(result.row())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""engine-core flags: defaults, sizes, and clear errors for invalid combinations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from evenflow.core.engine_config import ConfigError, config_from_args, parse_size
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10, "max_position_embeddings": 64}))
+    return str(tmp_path)
+
+
+def test_defaults_and_flags(model: str) -> None:
+    cfg = config_from_args(["--model", model])
+    assert (cfg.listen, cfg.async_scheduling, cfg.enable_prefix_caching) == ("tcp://127.0.0.1:7100", True, True)
+    cfg = config_from_args(["--model", model, "--no-async-scheduling", "--no-enable-prefix-caching", "-tp", "2",
+                            "--kv-cache-memory", "2GiB", "--listen", "ipc:///tmp/x.sock", "--scheduling-policy",
+                            "priority", "--load-format", "dummy"])
+    assert not cfg.async_scheduling and not cfg.enable_prefix_caching and cfg.tensor_parallel_size == 2
+    assert cfg.kv_cache_memory == 2 * 2**30 and cfg.scheduling_policy == "priority"
+    assert "max_num_batched_tokens" in cfg.describe()
+
+
+def test_parse_size() -> None:
+    assert parse_size("512MB") == 512 * 10**6 and parse_size("1.5k") == 1500 and parse_size("42") == 42
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--listen", "http://x"], "--listen"),
+    (["--max-num-seqs", "512", "--max-num-batched-tokens", "256"], "--max-num-seqs"),
+    (["--num-kv-blocks", "10", "--kv-cache-memory", "1GiB"], "not both"),
+    (["--block-size", "24"], "power of two"),
+    (["--tensor-parallel-size", "0"], "tensor-parallel-size"),
+    (["--long-prefill-token-threshold", "-1"], "long-prefill"),
+])
+def test_invalid_combinations_are_named(model: str, flags: list[str], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        config_from_args(["--model", model, *flags])
+
+
+def test_missing_model_folder(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config.json"):
+        config_from_args(["--model", str(tmp_path / "nope")])

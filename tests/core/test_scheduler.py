@@ -1,0 +1,385 @@
+from __future__ import annotations
+
+import pytest
+from evenflow.core.config import SchedulerConfig
+from evenflow.core.request import Request, RequestStatus
+from evenflow.core.scheduler import Scheduler
+from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
+
+from .fake_model import FakeWorker
+
+EOS = 0
+
+
+def make_scheduler(**overrides: object) -> Scheduler:
+    options: dict[str, object] = dict(num_kv_blocks=64, max_num_batched_tokens=64, max_model_len=256, block_size=4)
+    options.update(overrides)
+    return Scheduler(SchedulerConfig(**options))  # type: ignore[arg-type]
+
+
+def add(
+    scheduler: Scheduler,
+    request_id: str,
+    prompt_len: int,
+    arrival: float = 0.0,
+    priority: int = 0,
+    first_token: int = 1,
+    **params: object,
+) -> Request:
+    params.setdefault("ignore_eos", True)
+    params.setdefault("max_tokens", 100)
+    request = Request(
+        request_id,
+        [first_token + i % 40 for i in range(prompt_len)],
+        SamplingParams(**params),  # type: ignore[arg-type]
+        eos_token_ids=(EOS,),
+        arrival_time=arrival,
+        priority=priority,
+    )
+    scheduler.add_request(request)
+    return request
+
+
+def sample(output: SchedulerOutput, tokens: dict[str, list[int]], scheduler: Scheduler) -> ModelRunnerOutput:
+    """A scripted model: every request that reached its end samples the given tokens (or [5])."""
+    req_ids, sampled = [], []
+    for req_id in output.num_scheduled_tokens:
+        request = scheduler.requests.get(req_id)
+        produces = request is not None and request.num_output_placeholders > 0
+        req_ids.append(req_id)
+        sampled.append(tokens.get(req_id, [5]) if produces else [])
+    return ModelRunnerOutput(output.step_id, req_ids, sampled)
+
+
+def run_step(scheduler: Scheduler, worker: FakeWorker) -> SchedulerOutput:
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, worker.execute(output))
+    return output
+
+
+def test_long_prompt_is_chunked_around_running_decodes() -> None:
+    scheduler = make_scheduler(num_kv_blocks=400, max_model_len=1200)
+    worker = FakeWorker(400, 4)
+    decoders = [add(scheduler, f"d{i}", 5, arrival=i) for i in range(8)]
+    run_step(scheduler, worker)  # 8 prompts of 5 tokens: one step
+    assert all(request.num_output_tokens == 1 for request in decoders)
+    long = add(scheduler, "long", 1000, arrival=100.0, first_token=100)
+    steps = 0
+    while long.num_output_tokens == 0:
+        before = long.num_computed_tokens
+        output = run_step(scheduler, worker)
+        steps += 1
+        assert all(output.num_scheduled_tokens[d.request_id] == 1 for d in decoders)
+        assert output.num_scheduled_tokens["long"] == long.num_computed_tokens - before <= 64 - 8
+        assert output.total_num_scheduled_tokens <= 64
+    assert steps == -(-1000 // 56)  # the prompt used all the budget the decodes left
+    assert all(request.num_output_tokens == 1 + steps for request in decoders)
+
+
+def test_long_prefill_threshold_caps_chunks() -> None:
+    scheduler = make_scheduler(long_prefill_token_threshold=10)
+    add(scheduler, "a", 30)
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {"a": 10}
+    assert output.scheduled_new_reqs[0].num_computed_tokens == 0
+
+
+def test_partial_chunk_samples_nothing_and_new_request_is_sent_once() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    request = add(scheduler, "a", 12)
+    first = scheduler.schedule()
+    assert [new.req_id for new in first.scheduled_new_reqs] == ["a"]
+    assert len(first.scheduled_new_reqs[0].prompt_token_ids) == 12
+    assert request.num_output_placeholders == 0
+    scheduler.update_from_output(first, ModelRunnerOutput(first.step_id, ["a"], [[]]))
+    second = scheduler.schedule()
+    assert not second.scheduled_new_reqs and second.scheduled_cached_reqs[0].num_computed_tokens == 8
+    assert second.num_scheduled_tokens == {"a": 4} and request.num_output_placeholders == 1
+
+
+def test_preemption_by_recompute_and_resumption_from_prefix_cache() -> None:
+    scheduler = make_scheduler(num_kv_blocks=8, max_model_len=32)  # 32 token slots
+    worker = FakeWorker(8, 4)
+    add(scheduler, "first", 14, arrival=0)
+    second = add(scheduler, "second", 14, arrival=1, first_token=20)
+    run_step(scheduler, worker)  # 4 + 4 blocks: the pool is full
+    preempted_at = None
+    for _ in range(4):
+        output = run_step(scheduler, worker)
+        if output.preempted_req_ids:
+            preempted_at = output
+            break
+    assert preempted_at is not None and preempted_at.preempted_req_ids == ["second"]  # the latest
+    assert second.status == RequestStatus.PREEMPTED and second.num_computed_tokens == 0
+    assert not preempted_at.scheduled_new_reqs and scheduler.waiting.peek() is second
+    assert scheduler.get_stats().num_preemptions == 1
+    scheduler.abort_requests(["first"])  # make room
+    resumed = run_step(scheduler, worker)
+    (data,) = resumed.scheduled_cached_reqs
+    assert data.req_id == "second" and data.resumed_from_preemption
+    assert data.new_block_ids == scheduler.kv_cache_manager.get_block_ids("second")
+    assert data.num_computed_tokens == 12  # its full blocks were still cached
+    assert resumed.num_scheduled_tokens["second"] == second.num_tokens - 1 - 12
+
+
+def test_no_request_is_admitted_in_a_step_that_preempted() -> None:
+    scheduler = make_scheduler(num_kv_blocks=8, max_model_len=32, policy="priority")
+    worker = FakeWorker(8, 4)
+    add(scheduler, "first", 14, arrival=0)
+    add(scheduler, "second", 14, arrival=1, first_token=20)
+    for _ in range(3):  # prefill both (4 + 4 blocks), then two decodes fill the last slots
+        assert not run_step(scheduler, worker).preempted_req_ids
+    add(scheduler, "urgent", 4, arrival=2, priority=-1, first_token=30)  # fits once "second" is out
+    output = run_step(scheduler, worker)
+    assert output.preempted_req_ids == ["second"]
+    assert set(output.num_scheduled_tokens) == {"first"}
+    assert [new.req_id for new in run_step(scheduler, worker).scheduled_new_reqs] == ["urgent"]
+
+
+def test_priority_policy_admits_and_preempts_by_priority() -> None:
+    scheduler = make_scheduler(num_kv_blocks=8, max_model_len=32, policy="priority", max_num_seqs=2)
+    worker = FakeWorker(8, 4)
+    add(scheduler, "low", 14, arrival=0, priority=5)
+    add(scheduler, "high", 14, arrival=1, priority=0, first_token=20)
+    add(scheduler, "highest-late", 4, arrival=2, priority=-1, first_token=30)
+    output = run_step(scheduler, worker)
+    assert [new.req_id for new in output.scheduled_new_reqs] == ["highest-late", "high"]
+    scheduler.abort_requests(["highest-late"])
+    output = run_step(scheduler, worker)  # "low" comes in
+    assert "low" in output.num_scheduled_tokens
+    for _ in range(4):
+        output = run_step(scheduler, worker)
+        if output.preempted_req_ids:
+            break
+    assert output.preempted_req_ids == ["low"]  # arrived first, but the lowest priority
+
+
+def test_max_num_seqs_caps_running_requests() -> None:
+    scheduler = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        add(scheduler, f"r{i}", 3, arrival=i)
+    output = scheduler.schedule()
+    assert set(output.num_scheduled_tokens) == {"r0", "r1"}
+    assert (scheduler.num_running, scheduler.num_waiting) == (2, 2)
+
+
+def test_request_compiling_its_grammar_waits_without_blocking_others() -> None:
+    scheduler = make_scheduler()
+    compiling = add(scheduler, "fsm", 4)
+    compiling.status = RequestStatus.WAITING_FOR_FSM
+    add(scheduler, "plain", 4)
+    assert set(scheduler.schedule().num_scheduled_tokens) == {"plain"}
+    assert scheduler.waiting.peek() is compiling
+    compiling.status = RequestStatus.WAITING  # grammar ready
+    assert [new.req_id for new in scheduler.schedule().scheduled_new_reqs] == ["fsm"]
+
+
+def test_abort_waiting_running_and_in_flight() -> None:
+    scheduler = make_scheduler(max_num_seqs=1)
+    running = add(scheduler, "running", 6)
+    add(scheduler, "waiting", 6)
+    output = scheduler.schedule()
+    aborted = scheduler.abort_requests(["waiting", "running", "unknown"])
+    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in aborted] == [
+        ("waiting", "abort", []),
+        ("running", "abort", []),
+    ]
+    assert running.status == RequestStatus.FINISHED_ABORTED
+    assert scheduler.kv_cache_manager.num_free_blocks == 64 and not scheduler.has_unfinished_requests()
+    assert scheduler.update_from_output(output, sample(output, {}, scheduler)) == []  # in-flight step ignored
+    assert scheduler.update_from_output(output, ModelRunnerOutput(output.step_id, ["running"], [[5]])) == []
+    assert scheduler.schedule().finished_req_ids == ["running"]  # "waiting" never reached a worker
+
+
+@pytest.mark.parametrize(
+    ("params", "tokens", "expected_tokens", "reason", "stop_reason"),
+    [
+        (dict(max_tokens=10), [7, EOS, 7], [7, EOS], "stop", None),
+        (dict(max_tokens=10, ignore_eos=True), [7, EOS, 7], [7, EOS, 7], None, None),
+        (dict(max_tokens=10, stop_token_ids=[9]), [7, 9], [7, 9], "stop", 9),
+        (dict(max_tokens=10, min_tokens=3), [EOS, EOS, EOS], [EOS, EOS, EOS], "stop", None),
+        (dict(max_tokens=10, min_tokens=3, stop_token_ids=[9]), [9, 9, 7, 9], [9, 9, 7, 9], "stop", 9),
+        (dict(max_tokens=2), [7, 7], [7, 7], "length", None),
+        (dict(max_tokens=100), [7] * 5, [7] * 4, "length", None),  # max_model_len = 8, prompt 4
+    ],
+)
+def test_stop_checks(
+    params: dict, tokens: list[int], expected_tokens: list[int], reason: str | None, stop_reason: int | None
+) -> None:
+    scheduler = make_scheduler(max_model_len=8, num_kv_blocks=4)
+    params.setdefault("ignore_eos", False)
+    add(scheduler, "a", 4, **params)
+    got: list[int] = []
+    final = None
+    for token in tokens:
+        output = scheduler.schedule()
+        if "a" not in output.num_scheduled_tokens:
+            break
+        for out in scheduler.update_from_output(output, sample(output, {"a": [token]}, scheduler)):
+            got.extend(out.new_token_ids)
+            final = out
+    assert got == expected_tokens
+    assert final is not None and final.finish_reason == reason and final.stop_reason == stop_reason
+    assert scheduler.has_unfinished_requests() == (reason is None)
+
+
+def test_outputs_carry_logprobs_and_cached_tokens() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "a", 9)
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, ModelRunnerOutput(output.step_id, ["a"], [[3]]))
+    add(scheduler, "b", 9)
+    output = scheduler.schedule()
+    logprobs = TokenLogprobs([4], [-0.5], 1)
+    (out,) = scheduler.update_from_output(output, ModelRunnerOutput(output.step_id, ["b"], [[4]], [logprobs]))
+    assert out.num_cached_tokens == 8 and out.logprobs == [logprobs]
+
+
+def test_spec_tokens_count_in_the_budget_and_are_trimmed() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=3)
+    request = add(scheduler, "a", 2)
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, ModelRunnerOutput(output.step_id, ["a"], [[7]], spec_token_ids=[[1, 2, 3]]))
+    assert request.spec_token_ids == [1, 2, 3] and request.num_tokens_with_spec == 6
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {"a": 3}  # the last token + 2 drafts: the budget cut one
+    assert output.scheduled_spec_decode_tokens == {"a": [1, 2]}
+    assert request.num_computed_tokens == 5
+    # One draft accepted, then a bonus token: the rejected draft's position is recomputed.
+    scheduler.update_from_output(output, ModelRunnerOutput(output.step_id, ["a"], [[1, 8]]))
+    assert list(request.output_token_ids) == [7, 1, 8]
+    assert request.num_computed_tokens == 4 == request.num_tokens - 1 and request.spec_token_ids == []
+
+
+# ------------------------------------------------------------------------------- overlap
+
+
+def test_next_decode_is_scheduled_before_the_previous_token_is_known() -> None:
+    scheduler = make_scheduler()
+    request = add(scheduler, "a", 5)
+    step0 = scheduler.schedule()
+    step1 = scheduler.schedule()  # step 0's token is not back yet
+    assert step1.num_scheduled_tokens == {"a": 1} and step1.scheduled_cached_reqs[0].num_computed_tokens == 5
+    assert request.num_output_placeholders == 2 and request.num_computed_tokens == 6
+    scheduler.update_from_output(step0, ModelRunnerOutput(step0.step_id, ["a"], [[7]]))
+    assert request.num_output_placeholders == 1 and list(request.output_token_ids) == [7]
+    scheduler.update_from_output(step1, ModelRunnerOutput(step1.step_id, ["a"], [[8]]))
+    assert request.num_output_placeholders == 0 and list(request.output_token_ids) == [7, 8]
+
+
+def test_no_work_is_scheduled_for_tokens_that_will_surely_finish_the_request() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "a", 5, max_tokens=1)
+    step0 = scheduler.schedule()
+    assert scheduler.schedule().num_scheduled_tokens == {}  # its only token is in flight
+    (out,) = scheduler.update_from_output(step0, ModelRunnerOutput(step0.step_id, ["a"], [[7]]))
+    assert out.finish_reason == "length" and scheduler.schedule().finished_req_ids == ["a"]
+
+
+def test_no_work_is_scheduled_past_max_model_len_while_tokens_are_in_flight() -> None:
+    scheduler = make_scheduler(max_model_len=8, num_kv_blocks=4)
+    add(scheduler, "a", 6)
+    assert scheduler.schedule().num_scheduled_tokens == {"a": 6}
+    assert scheduler.schedule().num_scheduled_tokens == {"a": 1}  # position 6, token in flight
+    assert scheduler.schedule().num_scheduled_tokens == {}  # 6 + 2 in flight = max_model_len
+
+
+def test_preempted_request_waits_for_its_in_flight_token() -> None:
+    scheduler = make_scheduler(num_kv_blocks=8, max_model_len=32)
+    worker = FakeWorker(8, 4)
+    add(scheduler, "first", 15, arrival=0)
+    second = add(scheduler, "second", 15, arrival=1, first_token=20)
+    step = scheduler.schedule()
+    pending = (step, worker.execute(step))
+    preempted = False
+    for _ in range(6):
+        step = scheduler.schedule()
+        mro = worker.execute(step)
+        if step.preempted_req_ids:
+            preempted = True
+            assert second.status == RequestStatus.PREEMPTED and second.num_output_placeholders == 1
+            break
+        scheduler.update_from_output(*pending)
+        pending = (step, mro)
+    assert preempted
+    scheduler.abort_requests(["first"])
+    blocked = scheduler.schedule()
+    assert blocked.num_scheduled_tokens == {}  # its token from the in-flight step is owed
+    tokens_before = second.num_tokens
+    scheduler.update_from_output(*pending)  # the preempted request still takes that token
+    assert second.num_tokens == tokens_before + 1 and second.num_output_placeholders == 0
+    assert "second" in run_step(scheduler, worker).num_scheduled_tokens
+
+
+def test_output_of_an_older_request_with_a_reused_id_is_ignored() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "a", 5)
+    old = scheduler.schedule()
+    scheduler.abort_requests(["a"])
+    reused = add(scheduler, "a", 5)
+    assert scheduler.update_from_output(old, ModelRunnerOutput(old.step_id, ["a"], [[7]])) == []
+    new = scheduler.schedule()
+    assert new.finished_req_ids == ["a"] and [r.req_id for r in new.scheduled_new_reqs] == ["a"]
+    assert scheduler.update_from_output(old, ModelRunnerOutput(old.step_id, ["a"], [[7]])) == []
+    assert reused.num_output_tokens == 0 and reused.num_output_placeholders == 1
+
+
+# ------------------------------------------------------------------------------- bookkeeping
+
+
+def test_stats() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    worker = FakeWorker(64, 4)
+    add(scheduler, "a", 12, max_tokens=3)
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler, worker)
+    scheduler.schedule()  # nothing to run: not a step
+    stats = scheduler.get_stats()
+    assert (stats.num_prompt_tokens, stats.num_generation_tokens, stats.num_steps) == (12, 3, 4)
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+    assert stats.schedule_s > 0 and stats.update_s > 0
+
+
+def test_add_request_rejects_duplicates_and_bad_prompts() -> None:
+    scheduler = make_scheduler(max_model_len=16)
+    add(scheduler, "a", 4)
+    with pytest.raises(ValueError, match="already"):
+        add(scheduler, "a", 4)
+    with pytest.raises(ValueError, match="max_model_len"):
+        add(scheduler, "b", 17)
+    with pytest.raises(ValueError):
+        scheduler.add_request(Request("c", [], SamplingParams()))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(num_kv_blocks=0), "num_kv_blocks"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+        (dict(policy="lifo"), "policy"),
+        (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
+        (dict(num_kv_blocks=3, block_size=16, max_model_len=64), "max_model_len"),
+    ],
+)
+def test_config_validation(overrides: dict, message: str) -> None:
+    options: dict[str, object] = dict(num_kv_blocks=100)
+    options.update(overrides)
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**options).validate()  # type: ignore[arg-type]
+
+
+def test_defaults_follow_vllm_online_serving() -> None:
+    config = SchedulerConfig(num_kv_blocks=1000)
+    config.validate()
+    assert (config.max_num_batched_tokens, config.max_num_seqs, config.block_size) == (2048, 256, 16)
+    assert (config.long_prefill_token_threshold, config.policy, config.enable_prefix_caching) == (0, "fcfs", True)
+
+
+def test_reset_prefix_cache() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "a", 9)
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, ModelRunnerOutput(output.step_id, ["a"], [[3]]))
+    assert scheduler.reset_prefix_cache()
+    add(scheduler, "b", 9)
+    assert scheduler.schedule().scheduled_new_reqs[0].num_computed_tokens == 0

@@ -1,0 +1,167 @@
+"""Runs the engine requests behind one API request and merges their deltas.
+
+An API request has one or more prompts and ``n`` choices per prompt; each choice is one engine
+request (``f"{request_id}-{index}"``). ``Generation.stream()`` yields ``(job, ChoiceDelta)`` as
+deltas arrive, in arrival order. A stop-string match aborts that engine request at once (its KV
+blocks free immediately); a consumer that stops early (a client disconnect cancels it) aborts
+every unfinished engine request. Shared by the HTTP server and the offline ``LLM``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from evenflow.protocol import RequestOutput, SamplingParams
+
+from ..metrics import FrontendMetrics, RequestTimer
+from ..outputs import ChoiceAssembler, ChoiceDelta
+from ..tokenizer import Tokenizer
+from .prepare import ChoicePlan
+
+# Detached abort tasks: kept referenced until done (asyncio holds tasks only weakly).
+_background: set[asyncio.Task] = set()
+
+
+def _detach(coro: Any) -> None:
+    task = asyncio.ensure_future(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+@dataclass
+class ChoiceJob:
+    """One choice = one engine request."""
+
+    index: int
+    engine_id: str
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    assembler: ChoiceAssembler
+    timer: RequestTimer | None = None
+
+
+class Generation:
+    """The engine requests of one API request (``len(plans) * n`` jobs)."""
+
+    def __init__(
+        self,
+        client: Any,
+        tokenizer: Tokenizer,
+        request_id: str,
+        plans: list[ChoicePlan],
+        metrics: FrontendMetrics | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.client = client
+        self.metrics = metrics
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.plans = plans
+        self.jobs: list[ChoiceJob] = []
+        for p_idx, plan in enumerate(plans):
+            for params in plan.params:
+                index = len(self.jobs)
+                asm = ChoiceAssembler(tokenizer, index, plan.stop, plan.include_stop_str_in_output, plan.skip_special_tokens)
+                self.jobs.append(ChoiceJob(index, f"{request_id}-{index}", p_idx, plan.prompt_token_ids, params, asm))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.prompt_token_ids) for p in self.plans)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        # Choices of one prompt share its cached prefix: count each prompt once.
+        best: dict[int, int] = {}
+        for j in self.jobs:
+            best[j.prompt_index] = max(best.get(j.prompt_index, 0), j.assembler.num_cached_tokens)
+        return sum(best.values())
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(j.assembler.token_ids) for j in self.jobs)
+
+    async def stream(self) -> AsyncIterator[tuple[ChoiceJob, ChoiceDelta]]:
+        """Yield every choice's deltas until all are finished; abort leftovers on early exit."""
+        try:
+            if len(self.jobs) == 1:
+                async for item in self._run_job(self.jobs[0]):
+                    yield item
+            else:
+                async for item in self._run_merged():
+                    yield item
+        finally:
+            unfinished = [j for j in self.jobs if not j.assembler.finished]
+            if unfinished:
+                if self.metrics is not None:  # the client left or a sibling failed: count as aborted
+                    now = time.time()
+                    for j in unfinished:
+                        if j.timer is not None:
+                            self.metrics.on_finish(j.timer, "abort", now)
+                # Detached: under a cancelled task (client disconnect) awaiting here would be cut.
+                _detach(self.client.abort([j.engine_id for j in unfinished]))
+
+    async def run_to_end(self) -> None:
+        """Consume the whole generation (non-streaming responses)."""
+        async for _ in self.stream():
+            pass
+
+    async def _run_job(self, job: ChoiceJob) -> AsyncIterator[tuple[ChoiceJob, ChoiceDelta]]:
+        metrics = self.metrics
+        if metrics is not None:
+            job.timer = metrics.on_request_start(len(job.prompt_token_ids), self.arrival_time)
+        agen = self.client.generate(job.engine_id, job.prompt_token_ids, job.params,
+                                    priority=self.plans[job.prompt_index].priority, arrival_time=self.arrival_time)
+        try:
+            async for out in agen:
+                delta = self._apply(job, out)
+                yield job, delta
+                if delta.finish_reason is not None:
+                    if delta.stopped_by_string:
+                        await self.client.abort([job.engine_id])
+                    break
+        finally:
+            await agen.aclose()
+
+    def _apply(self, job: ChoiceJob, out: RequestOutput) -> ChoiceDelta:
+        delta = job.assembler.update(out)
+        if self.metrics is not None and job.timer is not None:
+            now = time.time()
+            queue_time = getattr(out, "queue_time_s", None)  # engine-side wait, when the engine reports it
+            if queue_time is not None and job.timer.first_token is None:
+                self.metrics.on_queue_time(queue_time)
+            self.metrics.on_tokens(job.timer, len(out.new_token_ids), now)
+            if delta.finish_reason is not None:
+                self.metrics.on_finish(job.timer, delta.finish_reason, now)
+        return delta
+
+    async def _run_merged(self) -> AsyncIterator[tuple[ChoiceJob, ChoiceDelta]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(job: ChoiceJob) -> None:
+            try:
+                async for item in self._run_job(job):
+                    queue.put_nowait(item)
+                queue.put_nowait(done)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # surfaced to the consumer, which re-raises it
+                queue.put_nowait(e)
+
+        tasks = [asyncio.ensure_future(pump(j)) for j in self.jobs]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()

@@ -1,0 +1,196 @@
+"""OpenAI-compatible request and response bodies as msgspec Structs.
+
+Requests are decoded strictly by type (a wrong type is a 400 that names the field, from msgspec's
+``at `$.field``` path); unknown fields are ignored, as OpenAI clients send extras. Responses are
+encoded straight from these Structs. ``UNSET`` fields are left out of the JSON: they appear only
+when asked for (``return_token_ids``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class _SamplingFields(Struct, kw_only=True):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions (vLLM's extensions too)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+    return_token_ids: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists; checked after
+    # decoding (msgspec unions may hold only one array type).
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class CompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+
+
+class ChatMessageOut(Struct):
+    role: str = "assistant"
+    content: str = ""
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatMessageOut
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    object: str = "chat.completion"
+
+
+class ChatDelta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    object: str = "chat.completion.chunk"
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "evenflow"
+    root: str | None = None
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeResponse(Struct):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode_json(obj: Any) -> bytes:
+    """JSON bytes of a response Struct (or plain data)."""
+    return _encoder.encode(obj)

@@ -1,0 +1,164 @@
+"""From a decoded OpenAI request to what the engine needs: prompt token ids and SamplingParams.
+
+Pure functions (no sockets, no event loop) so every validation rule is unit-tested directly.
+Each rule that rejects a request raises ``APIError(400)`` naming the field and the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from evenflow.protocol import SamplingParams
+
+from ..chat_template import ChatTemplateError, content_text, render_chat
+from ..tokenizer import Tokenizer
+from .errors import APIError, bad_request
+from .openai import ChatCompletionRequest, ChatMessage, _SamplingFields
+
+MAX_N = 128
+MAX_STOP_STRINGS = 32
+PROMPT_FORMS = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+@dataclass
+class ChoicePlan:
+    """How to run the ``n`` choices of one prompt."""
+
+    prompt_token_ids: list[int]
+    params: list[SamplingParams]  # one per choice (seeds differ)
+    stop: list[str]
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    priority: int
+
+
+def completion_prompts(prompt: str | list[Any], tokenizer: Tokenizer) -> list[list[int]]:
+    """Token ids of each prompt: a string, strings, a token-id list, or token-id lists."""
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return tokenizer.encode_batch(list(prompt))
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [_checked_ids(prompt, tokenizer.vocab_size)]
+    if all(isinstance(p, list) for p in prompt):
+        if not all(all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+            raise bad_request(PROMPT_FORMS, "prompt")
+        return [_checked_ids(p, tokenizer.vocab_size) for p in prompt]
+    raise bad_request(PROMPT_FORMS, "prompt")
+
+
+def _checked_ids(ids: list[int], vocab_size: int) -> list[int]:
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise bad_request(f"prompt contains token id {t}, outside the vocabulary [0, {vocab_size})", "prompt")
+    return list(ids)
+
+
+def chat_prompt(req: ChatCompletionRequest | Any, tokenizer: Tokenizer, messages: list[ChatMessage]) -> list[int]:
+    """Render ``messages`` with the chat template and tokenize (the template places BOS itself)."""
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    try:
+        dicts = [{"role": m.role, "content": content_text(m.content), **({"name": m.name} if m.name else {})} for m in messages]
+        text = render_chat(
+            tokenizer.chat_template,
+            dicts,
+            add_generation_prompt=getattr(req, "add_generation_prompt", True),
+            bos_token=tokenizer.bos_token,
+            eos_token=tokenizer.eos_token,
+            **(getattr(req, "chat_template_kwargs", None) or {}),
+        )
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    return [s for s in stops if s]
+
+
+def plan_choices(
+    req: _SamplingFields,
+    prompt_ids: list[int],
+    max_model_len: int,
+    vocab_size: int,
+    logprobs: int | None,
+    max_tokens: int | None = None,
+) -> ChoicePlan:
+    """SamplingParams for each of ``req.n`` choices, after every length and range check."""
+    if not prompt_ids:
+        raise bad_request("the prompt is empty (0 tokens)", "prompt")
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
+    prompt_len = len(prompt_ids)
+    if max_tokens is None:
+        max_tokens = req.max_tokens
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{prompt_len} tokens, which leaves no room for a completion.",
+            "prompt",
+        )
+    if max_tokens is None:
+        max_tokens = max_model_len - prompt_len  # vLLM's default: whatever room is left
+    elif prompt_len + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+            f"completion). Please reduce the prompt or max_tokens.",
+            "max_tokens",
+        )
+    base = SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+    )
+    problem = base.validate(vocab_size)
+    if problem is not None:
+        raise bad_request(problem, problem.split(" ", 1)[0])
+    return ChoicePlan(
+        prompt_token_ids=prompt_ids,
+        params=fan_out(base, req.n),
+        stop=stop_strings(req.stop),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        priority=req.priority,
+    )
+
+
+def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One SamplingParams per choice; with a seed, choice i samples with ``seed + i``."""
+    if n == 1:
+        return [params]
+    return [msgspec.structs.replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def check_model(requested: str | None, served: set[str]) -> None:
+    if requested is not None and requested not in served:
+        raise APIError(404, f"The model `{requested}` does not exist. Served: {', '.join(sorted(served))}.", "model")

@@ -1,0 +1,103 @@
+"""Command lines: ``evenflow-frontend`` (one HTTP frontend) and ``evenflow serve`` (engine + N frontends).
+
+``evenflow-frontend --engine ADDR`` attaches to a running engine-core: it connects first, loads the
+tokenizer from the folder the engine names, and only then opens its port (SO_REUSEPORT, so many
+frontends may share it). ``evenflow serve`` launches one engine-core and N frontends on one port,
+with a shared metrics folder, and stops all of them on Ctrl-C. Without ``--model`` it serves the
+built-in demo model (random weights). Flags it does not know go to the engine-core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Sequence
+
+from .api.server import ServerConfig, build_app, connect_context, reuseport_socket, serve_app
+
+
+def add_frontend_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--api-key", default=os.environ.get("EVENFLOW_API_KEY"), help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the engine's)")
+    p.add_argument("--chat-template", default=None, help="jinja2 chat template file (overrides the model's)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the engine's model folder)")
+
+
+def frontend_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="evenflow-frontend", description="One OpenAI-compatible HTTP frontend "
+                                "attached to a running engine-core.")
+    p.add_argument("--engine", default="tcp://127.0.0.1:7100", help="engine-core address (its --listen)")
+    add_frontend_flags(p)
+    p.add_argument("--connect-timeout", type=float, default=600.0, help="seconds to wait for the engine-core")
+    p.add_argument("--no-log-stats", dest="log_stats", action="store_false", help="no periodic throughput log")
+    p.add_argument("--frontend-name", default=None, help="name in logs and in the metrics folder")
+    return p
+
+
+def _setup_logging(name: str) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
+
+
+async def _run_frontend(args: argparse.Namespace) -> None:
+    import uvloop  # noqa: F401  (the loop we run on; imported here to fail early when missing)
+
+    config = ServerConfig(
+        engine_address=args.engine, api_key=args.api_key, served_model_name=args.served_model_name,
+        chat_template=args.chat_template, tokenizer=args.tokenizer, log_stats=args.log_stats,
+        connect_timeout=args.connect_timeout, frontend_name=args.frontend_name,
+        metrics_dir=os.environ.get("EVENFLOW_METRICS_DIR"),
+    )
+    log = logging.getLogger("evenflow.frontend")
+    ctx = await connect_context(config)
+
+    async def given() -> object:
+        return ctx
+
+    sock = reuseport_socket(args.host, args.port)
+    log.info("serving %s (max_model_len %d) on http://%s:%d, engine %s", ctx.model_name, ctx.max_model_len,
+             args.host, sock.getsockname()[1], args.engine)
+    try:
+        await serve_app(build_app(config, given), sock)  # type: ignore[arg-type]
+    finally:
+        sock.close()
+
+
+def frontend_main(argv: Sequence[str] | None = None) -> int:
+    """``evenflow-frontend``: serve HTTP against an engine-core until SIGINT/SIGTERM."""
+    args = frontend_parser().parse_args(argv)
+    _setup_logging(args.frontend_name or f"frontend-{os.getpid()}")
+    import uvloop
+
+    try:
+        uvloop.run(_run_frontend(args))
+    except KeyboardInterrupt:
+        pass
+    except Exception as e:  # connect failures, a taken port: one clear line, not a traceback
+        logging.getLogger("evenflow.frontend").error("%s: %s", type(e).__name__, e)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``evenflow``: subcommand ``serve``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: evenflow serve [--model DIR] [--frontends N] [--host H] [--port P] [frontend flags] "
+              "[engine-core flags]\n\n  serve   start one engine-core and N HTTP frontends on one port "
+              "(the built-in demo model when --model is not given)")
+        return 0 if argv else 2
+    if argv[0] == "serve":
+        from .serve import serve_main
+
+        return serve_main(argv[1:])
+    print(f"evenflow: unknown command {argv[0]!r} (try: evenflow serve)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(frontend_main())

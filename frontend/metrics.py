@@ -1,0 +1,257 @@
+"""Prometheus metrics for one or many frontends, written in the text format by hand.
+
+Two kinds of numbers:
+
+* engine-wide (running/waiting requests, KV usage, preemptions, prefix cache): taken from the
+  engine's latest ``SchedulerStats``. Every frontend sees the same engine, so merging takes the
+  freshest snapshot instead of a sum.
+* request-level (token counters, finished requests by reason, latency histograms): counted by the
+  frontend that served the request. With N frontends behind one port a scrape lands on one of
+  them, so each frontend publishes its snapshot as a file in ``EVENFLOW_METRICS_DIR`` (atomically,
+  about every second and at scrape time) and ``/metrics`` sums all the files: each request is
+  counted once, by the frontend that served it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import time
+from pathlib import Path
+
+import msgspec
+from msgspec import Struct
+
+from evenflow.protocol import SchedulerStats
+
+# Bucket bounds as vLLM uses them, so dashboards built for vLLM read these histograms the same way.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0]
+ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+HISTOGRAMS: dict[str, tuple[list[float], str]] = {
+    "evenflow:time_to_first_token_seconds": (TTFT_BUCKETS, "Time from arrival to the first output token."),
+    "evenflow:inter_token_latency_seconds": (ITL_BUCKETS, "Time between consecutive output deltas of a request."),
+    "evenflow:e2e_request_latency_seconds": (E2E_BUCKETS, "Time from arrival to the last output token."),
+    "evenflow:request_queue_time_seconds": (
+        E2E_BUCKETS, "Time a request waited before the engine first scheduled it (when the engine reports it)."),
+}
+COUNTERS: dict[str, str] = {
+    "evenflow:prompt_tokens_total": "Prompt tokens of finished and running requests.",
+    "evenflow:generation_tokens_total": "Generated tokens delivered.",
+}
+
+
+class HistogramData(Struct, array_like=True):
+    """Per-bucket (not cumulative) counts; the last bucket is +Inf."""
+
+    bounds: list[float]
+    counts: list[int]
+    sum: float = 0.0
+    count: int = 0
+
+    @classmethod
+    def empty(cls, bounds: list[float]) -> "HistogramData":
+        return cls(list(bounds), [0] * (len(bounds) + 1))
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def add(self, other: "HistogramData") -> None:
+        if other.bounds != self.bounds:
+            return  # a frontend of another version: skip rather than mis-add
+        for i, c in enumerate(other.counts):
+            self.counts[i] += c
+        self.sum += other.sum
+        self.count += other.count
+
+
+class MetricsSnapshot(Struct):
+    """One frontend's cumulative request-level metrics plus the engine stats it last saw."""
+
+    frontend: str
+    timestamp: float
+    counters: dict[str, float]
+    finished: dict[str, int]  # finish reason -> requests
+    histograms: dict[str, HistogramData]
+    engine: SchedulerStats | None = None
+    engine_time: float = 0.0
+
+
+class RequestTimer:
+    """Timing of one engine request, for TTFT / ITL / e2e."""
+
+    __slots__ = ("arrival", "first_token", "last_token", "num_tokens")
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.num_tokens = 0
+
+
+class FrontendMetrics:
+    """This frontend's metrics; ``render()`` gives the merged Prometheus text of all frontends."""
+
+    def __init__(self, model_name: str, metrics_dir: str | None = None, frontend_name: str | None = None) -> None:
+        self.model_name = model_name
+        self.metrics_dir = Path(metrics_dir) if metrics_dir else None
+        self.frontend_name = frontend_name or f"frontend-{os.getpid()}"
+        self.counters = {name: 0.0 for name in COUNTERS}
+        self.finished: dict[str, int] = {}
+        self.histograms = {name: HistogramData.empty(b) for name, (b, _) in HISTOGRAMS.items()}
+        self.engine: SchedulerStats | None = None
+        self.engine_time = 0.0
+        self._encoder = msgspec.json.Encoder()
+        self._decoder = msgspec.json.Decoder(MetricsSnapshot)
+
+    # -- observation (hot path: a few float operations per delta) ------------------------------
+
+    def on_request_start(self, prompt_tokens: int, arrival: float) -> RequestTimer:
+        self.counters["evenflow:prompt_tokens_total"] += prompt_tokens
+        return RequestTimer(arrival)
+
+    def on_tokens(self, timer: RequestTimer, num_tokens: int, now: float) -> None:
+        if num_tokens <= 0:
+            return
+        if timer.first_token is None:
+            timer.first_token = now
+            self.histograms["evenflow:time_to_first_token_seconds"].observe(now - timer.arrival)
+        elif timer.last_token is not None:
+            self.histograms["evenflow:inter_token_latency_seconds"].observe(now - timer.last_token)
+        timer.last_token = now
+        timer.num_tokens += num_tokens
+        self.counters["evenflow:generation_tokens_total"] += num_tokens
+
+    def on_queue_time(self, seconds: float) -> None:
+        self.histograms["evenflow:request_queue_time_seconds"].observe(seconds)
+
+    def on_finish(self, timer: RequestTimer, reason: str, now: float) -> None:
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        self.histograms["evenflow:e2e_request_latency_seconds"].observe(now - timer.arrival)
+
+    def set_engine_stats(self, stats: SchedulerStats | None, when: float | None = None) -> None:
+        """Record the engine's stats as of ``when`` (now); the same object again is not fresher."""
+        if stats is not None and stats is not self.engine:
+            self.engine = stats
+            self.engine_time = time.time() if when is None else when
+
+    # -- snapshots and merging ----------------------------------------------------------------
+
+    def snapshot(self) -> MetricsSnapshot:
+        return MetricsSnapshot(
+            self.frontend_name, time.time(), dict(self.counters), dict(self.finished),
+            {k: HistogramData(list(h.bounds), list(h.counts), h.sum, h.count) for k, h in self.histograms.items()},
+            self.engine, self.engine_time,
+        )
+
+    def write_snapshot(self) -> None:
+        """Publish this frontend's snapshot to the shared folder (atomic rename)."""
+        if self.metrics_dir is None:
+            return
+        self.metrics_dir.mkdir(parents=True, exist_ok=True)
+        path = self.metrics_dir / f"{self.frontend_name}.json"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(self._encoder.encode(self.snapshot()))
+        os.replace(tmp, path)
+
+    def collect(self) -> list[MetricsSnapshot]:
+        """Every frontend's snapshot: this one fresh, the others from the shared folder."""
+        own = self.snapshot()
+        if self.metrics_dir is None:
+            return [own]
+        self.write_snapshot()
+        snaps = [own]
+        for path in sorted(self.metrics_dir.glob("*.json")):
+            if path.stem == self.frontend_name:
+                continue
+            try:
+                snaps.append(self._decoder.decode(path.read_bytes()))
+            except (OSError, msgspec.DecodeError):
+                continue  # a half-written or foreign file: skip it this scrape
+        return snaps
+
+    def render(self) -> str:
+        return render_prometheus(merge_snapshots(self.collect()), self.model_name)
+
+
+def merge_snapshots(snaps: list[MetricsSnapshot]) -> MetricsSnapshot:
+    """Sum request-level metrics; take engine stats from the freshest snapshot."""
+    merged = MetricsSnapshot("merged", time.time(), {n: 0.0 for n in COUNTERS}, {},
+                             {n: HistogramData.empty(b) for n, (b, _) in HISTOGRAMS.items()})
+    for s in snaps:
+        for k, v in s.counters.items():
+            merged.counters[k] = merged.counters.get(k, 0.0) + v
+        for k, v in s.finished.items():
+            merged.finished[k] = merged.finished.get(k, 0) + v
+        for k, h in s.histograms.items():
+            if k in merged.histograms:
+                merged.histograms[k].add(h)
+        if s.engine is not None and s.engine_time >= merged.engine_time:
+            merged.engine, merged.engine_time = s.engine, s.engine_time
+    return merged
+
+
+def _fmt(v: float) -> str:
+    f = float(v)
+    if f == float("inf"):
+        return "+Inf"
+    return str(int(f)) if f.is_integer() and abs(f) < 1e15 else repr(f)
+
+
+def render_prometheus(s: MetricsSnapshot, model_name: str) -> str:
+    """The Prometheus text exposition format (version 0.0.4)."""
+    label = f'model_name="{_escape(model_name)}"'
+    out: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, value: float) -> None:
+        out.append(f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n{name}{{{label}}} {_fmt(value)}")
+
+    e = s.engine or SchedulerStats()
+    metric("evenflow:num_requests_running", "gauge", "Requests in the engine's running batch.", e.num_running)
+    metric("evenflow:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", e.num_waiting)
+    metric("evenflow:kv_cache_usage_perc", "gauge", "KV cache usage (1 = full).", e.kv_cache_usage)
+    metric("evenflow:num_preemptions_total", "counter", "Preemptions by the scheduler.", e.num_preemptions)
+    metric("evenflow:prefix_cache_queries_total", "counter", "Prefix cache queries, in tokens.", e.prefix_cache_queries)
+    metric("evenflow:prefix_cache_hits_total", "counter", "Prefix cache hits, in tokens.", e.prefix_cache_hits)
+    for name, help_text in COUNTERS.items():
+        metric(name, "counter", help_text, s.counters.get(name, 0.0))
+    name = "evenflow:request_success_total"
+    out.append(f"# HELP {name} Finished requests by finish reason.\n# TYPE {name} counter")
+    for reason in sorted(set(s.finished) | {"stop", "length", "abort"}):
+        out.append(f'{name}{{{label},finished_reason="{_escape(reason)}"}} {s.finished.get(reason, 0)}')
+    for name, (_, help_text) in HISTOGRAMS.items():
+        h = s.histograms[name]
+        out.append(f"# HELP {name} {help_text}\n# TYPE {name} histogram")
+        cumulative = 0
+        for bound, c in zip([*h.bounds, float("inf")], h.counts):
+            cumulative += c
+            out.append(f'{name}_bucket{{{label},le="{_fmt(bound)}"}} {cumulative}')
+        out.append(f"{name}_sum{{{label}}} {_fmt(h.sum)}")
+        out.append(f"{name}_count{{{label}}} {h.count}")
+    return "\n".join(out) + "\n"
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def stats_log_line(prev: SchedulerStats | None, cur: SchedulerStats, seconds: float) -> str | None:
+    """vLLM-style throughput line since ``prev``; None when there was no activity to report."""
+    p = prev or SchedulerStats()
+    prompt = cur.num_prompt_tokens - p.num_prompt_tokens
+    gen = cur.num_generation_tokens - p.num_generation_tokens
+    if prompt == 0 and gen == 0 and cur.num_running == 0 and cur.num_waiting == 0:
+        return None
+    dt = max(seconds, 1e-9)
+    hit = (cur.prefix_cache_hits - p.prefix_cache_hits) / max(1, cur.prefix_cache_queries - p.prefix_cache_queries)
+    return (
+        f"Avg prompt throughput: {prompt / dt:.1f} tokens/s, Avg generation throughput: {gen / dt:.1f} tokens/s, "
+        f"Running: {cur.num_running} reqs, Waiting: {cur.num_waiting} reqs, "
+        f"KV cache usage: {cur.kv_cache_usage * 100:.1f}%, Prefix cache hit rate: {hit * 100:.1f}%"
+    )

@@ -1,0 +1,131 @@
+"""The model's tokenizer, loaded from its folder with the ``tokenizers`` library (no transformers).
+
+``tokenizer.json`` gives the vocabulary, the pipeline and which added tokens are special;
+``tokenizer_config.json`` gives BOS/EOS, whether a BOS is prepended (``add_bos_token``) and the
+chat template (also read from ``chat_template.jinja``, or a file the user names).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class TokenizerLoadError(ValueError):
+    """The model folder has no usable tokenizer."""
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config stores special tokens as a string or as an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _read_chat_template(model_dir: Path, config: dict[str, Any], override: str | Path | None) -> str | None:
+    if override is not None:
+        return Path(override).read_text(encoding="utf-8")
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _byte_fallback_ids(hf: HFTokenizer) -> frozenset[int]:
+    """Ids of ``<0xNN>`` tokens when the decoder joins them with ByteFallback (else empty).
+
+    ByteFallback decodes a run of byte tokens as one group, and an invalid group turns every one
+    of its bytes into U+FFFD, so the detokenizer must not cut inside such a run.
+    """
+    decoder = json.loads(hf.to_str()).get("decoder") or {}
+    if "ByteFallback" not in json.dumps(decoder):
+        return frozenset()
+    ids = (hf.token_to_id(f"<0x{b:02X}>") for b in range(256))
+    return frozenset(i for i in ids if i is not None)
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus the facts the frontend needs (BOS, EOS, template)."""
+
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos_token: bool | None = None,
+        chat_template: str | None = None,
+        model_dir: Path | None = None,
+    ) -> None:
+        self.hf = hf
+        self.model_dir = model_dir
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = hf.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = hf.token_to_id(eos_token) if eos_token else None
+        self.add_bos_token = bool(add_bos_token) and self.bos_token_id is not None
+        self.chat_template = chat_template
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(
+            int(i) for i, t in hf.get_added_tokens_decoder().items() if t.special
+        )
+        self.byte_fallback_ids = _byte_fallback_ids(hf)
+        # Lazily filled cache of single-token strings (for logprobs), indexed by id.
+        self._token_strings: dict[int, str] = {}
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, chat_template: str | Path | None = None) -> "Tokenizer":
+        """Load ``tokenizer.json`` (+ ``tokenizer_config.json``) from a model folder."""
+        model_dir = Path(model_dir)
+        tok_file = model_dir / "tokenizer.json"
+        if not tok_file.exists():
+            raise TokenizerLoadError(f"no tokenizer.json in {model_dir} (use --tokenizer DIR)")
+        hf = HFTokenizer.from_file(str(tok_file))
+        cfg_file = model_dir / "tokenizer_config.json"
+        config: dict[str, Any] = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.exists() else {}
+        return cls(
+            hf,
+            bos_token=_token_content(config.get("bos_token")),
+            eos_token=_token_content(config.get("eos_token")),
+            add_bos_token=config.get("add_bos_token"),
+            chat_template=_read_chat_template(model_dir, config, chat_template),
+            model_dir=model_dir,
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` the BOS the model expects leads."""
+        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._with_bos(ids) if add_special_tokens else ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``encode`` for many texts in one call (the Rust side parallelizes)."""
+        encs = self.hf.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [self._with_bos(e.ids) if add_special_tokens else e.ids for e in encs]
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        # Some tokenizer.json files add BOS in their post-processor already; never add it twice.
+        if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
+            return [self.bos_token_id, *ids]  # type: ignore[list-item]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_string(self, token_id: int) -> str:
+        """The text of one token on its own (as logprobs show it), cached."""
+        s = self._token_strings.get(token_id)
+        if s is None:
+            s = self.hf.decode([token_id], skip_special_tokens=False)
+            self._token_strings[token_id] = s
+        return s
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        return [self.token_string(t) for t in token_ids]

@@ -1,0 +1,68 @@
+"""Helpers for live tests: start processes with logs, wait for HTTP, stop them by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python -m ...`` with stdout+stderr to ``log``, in its own session (so teardown can reach it)."""
+    f = open(log, "wb")
+    return subprocess.Popen([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def stop(procs: list[subprocess.Popen], timeout: float = 20.0) -> None:
+    """SIGTERM each by PID, then SIGKILL its process group if it lingers (it started that group)."""
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def wait_for(predicate, timeout: float, procs: list[subprocess.Popen], logs: list[Path]) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"process {p.args} exited with {p.returncode}:\n" + tail(logs))
+        try:
+            if predicate():
+                return
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("not ready in time:\n" + tail(logs))
+
+
+def tail(logs: list[Path], n: int = 25) -> str:
+    out = []
+    for log in logs:
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        out.append(f"--- {log.name}\n" + "\n".join(lines[-n:]))
+    return "\n".join(out)
+
+
+def metric(text: str, line_start: str) -> float:
+    """Sum of samples whose line starts with ``line_start``."""
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(line_start))

@@ -1,0 +1,94 @@
+"""Incremental detokenization is exact: streamed deltas concatenate to decode(all tokens)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from evenflow.frontend.detokenizer import IncrementalDetokenizer
+from evenflow.frontend.tokenizer import Tokenizer
+
+
+def _byte_fallback_tokenizer() -> Tokenizer:
+    """A Llama/SentencePiece-style tokenizer: Metaspace pieces plus <0xNN> byte-fallback tokens."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in ["▁", "a", "b", "é", "▁a", "▁b", "ab", "▁ab", "▁é", "€", "▁€", "x", "▁the", "の", "😀"]:
+        vocab[piece] = len(vocab)
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    hf.add_special_tokens(["<s>", "</s>"])
+    return Tokenizer(hf, bos_token="<s>", eos_token="</s>", add_bos_token=True)
+
+
+BYTE_FALLBACK = _byte_fallback_tokenizer()
+
+
+def _stream(tok: Tokenizer, ids: list[int], chunks: list[int], skip_special: bool = True) -> str:
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special)
+    out, i, c = [], 0, 0
+    while i < len(ids):
+        step = max(1, chunks[c % len(chunks)]) if chunks else 1
+        out.append(detok.push(ids[i:i + step]))
+        i += step
+        c += 1
+    out.append(detok.flush())
+    assert detok.token_ids == ids
+    return "".join(out)
+
+
+def _check(tok: Tokenizer, ids: list[int], chunks: list[int], skip_special: bool = True) -> None:
+    assert _stream(tok, ids, chunks, skip_special) == tok.hf.decode(ids, skip_special_tokens=skip_special)
+
+
+def test_multibyte_character_split_over_byte_level_tokens(demo_tokenizer: Tokenizer) -> None:
+    text = "héllo € 😀 日本語 done"
+    ids = demo_tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(demo_tokenizer)
+    deltas = [detok.push([t]) for t in ids] + [detok.flush()]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)  # never a half character on the wire
+
+
+def test_byte_fallback_pieces_join_into_characters() -> None:
+    # "日" is not in the vocabulary: it becomes three <0xNN> tokens.
+    ids = BYTE_FALLBACK.encode("a 日 b", add_special_tokens=False)
+    assert len(ids) >= 5
+    detok = IncrementalDetokenizer(BYTE_FALLBACK)
+    deltas = [detok.push([t]) for t in ids] + [detok.flush()]
+    assert "".join(deltas) == "a 日 b"
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_incomplete_character_at_the_end_is_flushed(demo_tokenizer: Tokenizer) -> None:
+    euro = demo_tokenizer.encode("€", add_special_tokens=False)
+    assert len(euro) == 3  # byte-level BPE: one token per byte here
+    detok = IncrementalDetokenizer(demo_tokenizer)
+    assert detok.push(demo_tokenizer.encode("x", add_special_tokens=False)) == "x"
+    assert detok.push(euro[:1]) == ""  # held: half a character
+    assert detok.flush() == "\ufffd"  # the request ended there: emit what decode() gives
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(0, 8191), max_size=40), chunks=st.lists(st.integers(1, 5), max_size=6))
+def test_random_byte_level_sequences_stream_exactly(demo_tokenizer: Tokenizer, ids: list[int], chunks: list[int]) -> None:
+    _check(demo_tokenizer, ids, chunks)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(0, len(BYTE_FALLBACK.hf.get_vocab()) - 1), max_size=40),
+       chunks=st.lists(st.integers(1, 4), max_size=6), skip_special=st.booleans())
+def test_random_byte_fallback_sequences_stream_exactly(ids: list[int], chunks: list[int], skip_special: bool) -> None:
+    _check(BYTE_FALLBACK, ids, chunks, skip_special)
+
+
+@pytest.mark.parametrize("text", ["", "plain ascii", "ünïcödé ✓ 😀😀 — 日本", "\n\n  indented\tcode()"])
+def test_round_trip_of_real_text(demo_tokenizer: Tokenizer, text: str) -> None:
+    ids = demo_tokenizer.encode(text, add_special_tokens=False)
+    assert _stream(demo_tokenizer, ids, [1]) == text

@@ -1,0 +1,92 @@
+"""Stop strings across token boundaries, output assembly and logprobs formatting."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from evenflow.frontend.outputs import (
+    ChoiceAssembler, StopStringMatcher, chat_logprobs_json, completion_logprobs_json, format_logprobs,
+)
+from evenflow.frontend.tokenizer import Tokenizer
+from evenflow.protocol import RequestOutput, TokenLogprobs
+
+
+def _feed_all(m: StopStringMatcher, pieces: list[str]) -> tuple[str, str | None]:
+    out = []
+    for i, p in enumerate(pieces):
+        text, matched = m.feed(p, final=i == len(pieces) - 1)
+        out.append(text)
+        if matched:
+            return "".join(out), matched
+    return "".join(out), None
+
+
+def test_stop_string_split_over_deltas_is_never_streamed() -> None:
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("hello ST") == ("hello", None)  # " ST" could begin "STOP": held back
+    assert m.feed("O") == (" ", None)
+    assert m.feed("Px") == ("", "STOP")
+
+
+def test_include_stop_str_in_output() -> None:
+    m = StopStringMatcher(["\n\n", "END"], include_stop_str_in_output=True)
+    assert _feed_all(m, ["a", "b\n", "\nc"]) == ("ab\n\n", "\n\n")
+
+
+def test_earliest_stop_string_wins() -> None:
+    assert _feed_all(StopStringMatcher(["bc", "abcd"]), ["xab", "cd"]) == ("x", "abcd")
+    assert _feed_all(StopStringMatcher(["cd", "ab"]), ["xa", "bcd"]) == ("x", "ab")
+
+
+def test_no_match_flushes_everything_at_the_end() -> None:
+    m = StopStringMatcher(["zzz"])
+    assert _feed_all(m, ["ab", "cz", "z"]) == ("abczz", None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="abcS TOP", max_size=40), cuts=st.lists(st.integers(0, 40), max_size=8),
+       include=st.booleans())
+def test_stop_matching_is_independent_of_how_text_is_split(text: str, cuts: list[int], include: bool) -> None:
+    stops = ["STOP", "aa"]
+    points = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    pieces = [text[a:b] for a, b in zip(points, points[1:])] or [""]
+    got = _feed_all(StopStringMatcher(stops, include), pieces)
+    # Reference: search the whole text at once.
+    hits = [(text.find(s), s) for s in stops if s in text]
+    if hits:
+        pos, stop = min(hits)
+        assert got == (text[:pos + (len(stop) if include else 0)], stop)
+    else:
+        assert got == (text, None)
+
+
+def test_assembler_stops_on_a_string_spanning_tokens(demo_tokenizer: Tokenizer) -> None:
+    ids = demo_tokenizer.encode("one two three four", add_special_tokens=False)
+    asm = ChoiceAssembler(demo_tokenizer, stop=["thr"])
+    deltas = [asm.update(RequestOutput("r", [t])) for t in ids]
+    stopped = [d for d in deltas if d.stopped_by_string]
+    assert len(stopped) == 1 and stopped[0].finish_reason == "stop" and stopped[0].stop_reason == "thr"
+    assert asm.text == "one two " and "".join(d.text for d in deltas) == "one two "
+    assert asm.finished
+
+
+def test_assembler_passes_engine_finish_through(demo_tokenizer: Tokenizer) -> None:
+    ids = demo_tokenizer.encode("héllo €", add_special_tokens=False)
+    asm = ChoiceAssembler(demo_tokenizer)
+    d1 = asm.update(RequestOutput("r", ids[:-1], num_cached_tokens=16))
+    d2 = asm.update(RequestOutput("r", ids[-1:], "stop", 16, None, 7))
+    assert d1.text + d2.text == "héllo €"
+    assert (d2.finish_reason, d2.stop_reason, asm.num_cached_tokens, asm.token_ids) == ("stop", 7, 16, ids)
+
+
+def test_logprobs_formats(demo_tokenizer: Tokenizer) -> None:
+    a, b = demo_tokenizer.encode("def", add_special_tokens=False)[0], demo_tokenizer.encode(" x", add_special_tokens=False)[0]
+    entries = format_logprobs(demo_tokenizer, [a], [TokenLogprobs([a, b, a], [-0.1, -0.5, -0.1], 1)])
+    assert entries[0].token == "def" and entries[0].logprob == -0.1
+    legacy = completion_logprobs_json(entries, text_offset_start=3)
+    assert legacy == {"tokens": ["def"], "token_logprobs": [-0.1], "top_logprobs": [{" x": -0.5, "def": -0.1}],
+                      "text_offset": [3]}
+    chat = chat_logprobs_json(entries, top_n=1)
+    assert chat["content"][0]["token"] == "def" and chat["content"][0]["bytes"] == list(b"def")
+    assert chat["content"][0]["top_logprobs"] == [{"token": " x", "logprob": -0.5, "bytes": list(b" x")}]

@@ -1,0 +1,51 @@
+"""`evenflow serve` with no arguments: writes the demo model to the user cache, serves, streams, stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .live import free_port, start, stop, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def test_serve_without_arguments_streams_a_completion(tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "serve.log"
+    # No --model: the demo model. Extra flags go to engine-core (kept small for 2 CPU cores).
+    proc = start(["-m", "evenflow.frontend", "serve", "--port", str(port), "--frontends", "2",
+                  "--max-model-len", "256", "--num-kv-blocks", "64"], log, {"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    try:
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200, 180, [proc], [log])
+        banner = log.read_text()
+        assert "RANDOM" in banner and f"http://127.0.0.1:{port}" in banner
+        assert (tmp_path / "cache" / "evenflow" / "demo-model" / "tokenizer.json").exists()
+        body = {"model": "demo", "prompt": "def fibonacci(n):", "max_tokens": 16, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "".join(c["choices"][0]["text"] for c in chunks)
+        engine_pid = int(re.search(r"\(pid (\d+)\)", banner).group(1))  # type: ignore[union-attr]
+        # Ctrl-C stops everything.
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=40) == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(engine_pid, 0)
+    finally:
+        if proc.poll() is None:
+            stop([proc])
+        elif proc.returncode != 0:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # children of a crashed serve (its own session)
+            except ProcessLookupError:
+                pass

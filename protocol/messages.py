@@ -143,6 +143,9 @@ class ModelRunnerOutput(Struct, tag="mro", array_like=True):
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    # Seconds rank 0 sat idle waiting for this step's SchedulerOutput after finishing the previous
+    # step (filled by the worker process loop, not the model runner).
+    wait_s: float = 0.0
 
 
 class WorkerConfig(Struct, forbid_unknown_fields=True):

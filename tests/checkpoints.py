@@ -77,6 +77,7 @@ def reference_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> lis
     with torch.no_grad():
         out = model.generate(
             ids,
+            attention_mask=torch.ones_like(ids),  # token 0 is a real token here, not padding
             max_new_tokens=max_tokens,
             do_sample=False,
             eos_token_id=None,

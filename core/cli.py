@@ -1,0 +1,59 @@
+"""``engine-core`` console script: parse flags, start workers and the ROUTER, serve until a signal."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from typing import Sequence
+
+from .engine_config import ConfigError, build_parser, config_from_args
+from .model_info import read_model_info
+from .workers import WorkerFailure
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one engine-core; returns its exit code (0 after SIGTERM/SIGINT, 1 on a failure)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    log = logging.getLogger("evenflow.core.cli")
+    try:
+        cfg = config_from_args(argv)
+        info = read_model_info(cfg.model, cfg.served_model_name)
+        if cfg.max_model_len is not None and cfg.max_model_len > info.max_model_len:
+            raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's limit "
+                              f"{info.max_model_len} (from {info.model_path}/config.json)")
+    except (ConfigError, ValueError) as e:
+        build_parser().print_usage(sys.stderr)
+        print(f"engine-core: error: {e}", file=sys.stderr)
+        return 2
+    log.info("settings:\n%s", cfg.describe())
+    log.info("model %s: %s, max_model_len %d, vocab %d, eos %s", info.model_name, info.architectures,
+             info.max_model_len, info.vocab_size, info.eos_token_ids)
+
+    from .engine import EngineCore  # after flag errors, so `--help` and typos answer instantly
+
+    engine = EngineCore(cfg, info)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        engine.request_stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    t0 = time.monotonic()
+    try:
+        ready = engine.start()
+    except (WorkerFailure, ValueError) as e:
+        log.error("start-up failed: %s", e)
+        engine.workers.shutdown(timeout=1.0)
+        return 1
+    log.info("engine-core %s serving %s on %s (start-up %.1f s, overlap %s)", ready.engine_id,
+             ready.model_name, cfg.listen, time.monotonic() - t0, "on" if cfg.async_scheduling else "off")
+    code = engine.run()
+    log.info("engine-core exiting with code %d", code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

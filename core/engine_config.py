@@ -1,0 +1,145 @@
+"""EngineConfig: every knob of the engine-core process, its command line, and its validation."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Sequence
+
+from evenflow.protocol import MAX_FRAME_BYTES
+
+DEFAULT_LISTEN = "tcp://127.0.0.1:7100"
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+               "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+class ConfigError(ValueError):
+    """An invalid flag value or combination; the message says which and why."""
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine-core, its scheduler, its cache and its workers take."""
+
+    model: str
+    listen: str = DEFAULT_LISTEN
+    served_model_name: str | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's own limit
+    block_size: int = 16
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes per worker; None: sized by the worker
+    num_kv_blocks: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"
+    async_scheduling: bool = True
+    load_format: str = "auto"
+    max_frame_bytes: int = MAX_FRAME_BYTES
+    worker_start_timeout: float = 600.0
+    client_timeout: float = 3.0  # a frontend silent this long is dropped and its requests aborted
+    worker_threads: int | None = None
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first invalid value or combination."""
+        if not re.match(r"^(tcp://[^\s]+:\d+|ipc://.+)$", self.listen):
+            raise ConfigError(f"--listen must be tcp://HOST:PORT or ipc://PATH, got {self.listen!r}")
+        positive = ("max_num_batched_tokens", "max_num_seqs", "block_size", "tensor_parallel_size",
+                    "max_frame_bytes")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-num-seqs "
+                f"({self.max_num_seqs}): every running request needs one token of each step's budget")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")
+        if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
+            raise ConfigError("give --kv-cache-memory or --num-kv-blocks, not both")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.worker_start_timeout <= 0 or self.client_timeout <= 0:
+            raise ConfigError("--worker-start-timeout and --client-timeout must be positive")
+        if not (Path(self.model).expanduser() / "config.json").is_file():
+            raise ConfigError(f"--model {self.model!r} is not a folder with a config.json")
+
+    def describe(self) -> str:
+        """One line per setting, for the start-up log."""
+        return "\n".join(f"  {f.name:<30} {getattr(self, f.name)!r}" for f in fields(self))
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count: ``1073741824``, ``4GiB``, ``512MB``, ``2g``."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MB, 1073741824)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``engine-core`` command line; defaults come from EngineConfig."""
+    d = EngineConfig(model="")
+    p = argparse.ArgumentParser(
+        prog="engine-core",
+        description="evenflow engine-core: scheduler + KV cache + workers, serving frontends over ZMQ.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    a = p.add_argument
+    a("--model", required=True, help="model folder (HuggingFace layout: config.json, *.safetensors)")
+    a("--listen", default=d.listen, help="ZMQ address the ROUTER binds for frontends (tcp:// or ipc://)")
+    a("--served-model-name", default=None, help="model name reported to frontends (default: folder name)")
+    a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget of one step")
+    a("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")
+    a("--max-model-len", type=int, default=None, help="longest prompt+output (default: the model's limit)")
+    a("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
+    a("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold,
+      help="cap on one request's prefill chunk per step (0: no cap)")
+    a("--scheduling-policy", choices=("fcfs", "priority"), default=d.scheduling_policy,
+      help="fcfs, or priority (smaller value first, then arrival)")
+    a("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+      help="turn off prefix caching")
+    a("--kv-cache-memory", type=parse_size, default=None,
+      help="KV cache bytes per worker (e.g. 2GiB; default: measured free memory)")
+    a("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides sizing)")
+    a("--dtype", default=d.dtype, help="model dtype: auto, float32, float16, bfloat16")
+    a("--device", default=d.device, help="worker device: auto, cpu, cuda")
+    a("--seed", type=int, default=d.seed, help="random seed of the workers")
+    a("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, help="worker processes (ranks)")
+    a("--attention-backend", default=d.attention_backend, help="auto, torch, triton, flash_attn")
+    a("--no-async-scheduling", dest="async_scheduling", action="store_false",
+      help="turn off overlap (schedule step N+1 only after step N's results)")
+    a("--load-format", choices=("auto", "dummy"), default=d.load_format,
+      help="auto: safetensors weights; dummy: random weights from config.json alone")
+    a("--max-frame-bytes", type=int, default=d.max_frame_bytes, help="largest frontend frame accepted")
+    a("--worker-start-timeout", type=float, default=d.worker_start_timeout,
+      help="seconds to wait for every worker's handshake")
+    a("--client-timeout", type=float, default=d.client_timeout,
+      help="seconds of silence after which a frontend is dropped and its requests aborted")
+    a("--worker-threads", type=int, default=None, help="torch threads per worker (default: torch's choice)")
+    return p
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> EngineConfig:
+    """Parse the command line into a validated EngineConfig (ConfigError when invalid)."""
+    ns = build_parser().parse_args(argv)
+    cfg = EngineConfig(**vars(ns))
+    cfg.validate()
+    return cfg

@@ -1,0 +1,36 @@
+"""Cumulative timing of steps, measured by the engine and the workers, merged into SchedulerStats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from evenflow.protocol import ModelRunnerOutput, SchedulerStats
+
+
+@dataclass
+class StepTiming:
+    """Seconds, cumulative since start-up."""
+
+    schedule_s: float = 0.0
+    update_s: float = 0.0
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    idle_s: float = 0.0
+
+    def add_worker_step(self, mro: ModelRunnerOutput, after_idle: bool) -> None:
+        """Add rank 0's split of one step. Its wait before a step that followed an empty spell is
+        the clients' silence, not engine overhead, so it is not counted as idle."""
+        self.prepare_s += mro.prepare_s
+        self.forward_s += mro.forward_s
+        self.sample_s += mro.sample_s
+        if not after_idle:
+            self.idle_s += mro.wait_s
+
+    def fill(self, stats: SchedulerStats) -> SchedulerStats:
+        """Write the worker fields (and the scheduler's own, if it does not time itself)."""
+        stats.schedule_s = stats.schedule_s or self.schedule_s
+        stats.update_s = stats.update_s or self.update_s
+        stats.worker_prepare_s, stats.worker_forward_s = self.prepare_s, self.forward_s
+        stats.worker_sample_s, stats.worker_idle_s = self.sample_s, self.idle_s
+        return stats

@@ -1,0 +1,329 @@
+"""EngineClient: a frontend's connection to one engine-core (asyncio, uvloop-friendly).
+
+One DEALER socket carries everything (see protocol/README.md). ``connect()`` does the Hello/Ready
+handshake; ``generate()`` submits a request and yields its RequestOutputs as they stream back;
+a background task routes incoming frames to per-request queues, another sends a Heartbeat every
+second. If the engine is silent for ``DEAD_AFTER_S`` seconds, or says it is going away, every
+pending request fails with an EngineError carrying the engine's reason.
+
+``BlockingEngineClient`` wraps the same client for scripts: it runs its own event loop in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator
+
+import zmq
+import zmq.asyncio
+
+from evenflow.protocol import (
+    ERR_DUPLICATE_ID, ERR_NOT_READY, ERR_UNKNOWN_METHOD, PROTOCOL_VERSION, Abort, AddRequest, Codec,
+    DecodeError, EngineToFrontend, Error, Heartbeat, Hello, Outputs, Ready, RequestOutput, SamplingParams,
+    SchedulerStats, UtilityCall, UtilityResult,
+)
+
+log = logging.getLogger("evenflow.frontend.client")
+
+# Client-side error codes (the engine's own codes are in evenflow.protocol.messages).
+ERR_ENGINE_DEAD = "engine_dead"  # no frame from the engine for DEAD_AFTER_S
+ERR_CONNECT_TIMEOUT = "connect_timeout"
+ERR_CLOSED = "client_closed"
+
+HEARTBEAT_S = 1.0
+DEAD_AFTER_S = 5.0
+
+
+class EngineError(Exception):
+    """An error from (or about) the engine. ``code`` is one of the protocol's error codes."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+@dataclass
+class _Stream:
+    """One live request: its queue of deltas, and what is needed to resubmit it after a re-Hello."""
+
+    queue: asyncio.Queue[RequestOutput | EngineError]
+    request: AddRequest
+    got_output: bool = False
+
+
+class EngineClient:
+    """Async client of one engine-core over a DEALER socket."""
+
+    def __init__(self, address: str, client_name: str = "") -> None:
+        self.address = address
+        self.client_name = client_name
+        self.ready: Ready | None = None
+        self.stats: SchedulerStats | None = None
+        self._codec: Codec[EngineToFrontend] = Codec(EngineToFrontend)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._rehello = False  # the engine forgot us; a Hello is on its way
+        self._calls: dict[int, asyncio.Future[UtilityResult]] = {}
+        self._call_ids = itertools.count()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._fatal: EngineError | None = None
+        self._last_rx = 0.0
+
+    async def connect(self, timeout: float = 30.0) -> Ready:
+        """Handshake; raises EngineError on a version mismatch or when no Ready comes in time."""
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(self.address)
+        self._send(Hello(PROTOCOL_VERSION, self.client_name))
+        deadline = time.monotonic() + timeout
+        while self.ready is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await self._sock.poll(int(left * 1000)):
+                await self._teardown()
+                raise EngineError(ERR_CONNECT_TIMEOUT, f"no answer from the engine-core at {self.address} "
+                                                       f"within {timeout:.1f} s")
+            msg = self._decode(await self._sock.recv())
+            if isinstance(msg, Ready):
+                self.ready = msg
+            elif isinstance(msg, Error):
+                await self._teardown()
+                raise EngineError(msg.code, msg.message)
+        self._last_rx = time.monotonic()
+        self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._heartbeat_loop())]
+        return self.ready
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       priority: int = 0, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request; yield its deltas until one has ``finish_reason`` set.
+
+        Raises EngineError for an Error about this request or a fatal one. Stopping early
+        (``aclose()``, ``break``, cancellation) aborts the request in the engine.
+        """
+        if self._fatal is not None:
+            raise self._fatal
+        if self._sock is None:
+            raise EngineError(ERR_NOT_READY, "call connect() first")
+        if request_id in self._streams:
+            raise EngineError(ERR_DUPLICATE_ID, f"request id {request_id!r} is already live", request_id)
+        request = AddRequest(request_id, list(prompt_token_ids), sampling_params, priority,
+                             arrival_time if arrival_time is not None else time.time())
+        queue: asyncio.Queue[RequestOutput | EngineError] = asyncio.Queue()
+        self._streams[request_id] = _Stream(queue, request)
+        finished = False
+        try:
+            if not self._rehello:  # else it is submitted when the engine's Ready comes back
+                self._send(request)
+            while True:
+                item = await queue.get()
+                if isinstance(item, EngineError):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self._fatal is None and self._sock is not None:
+                self._send(Abort([request_id]))
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort requests; their streams end with finish_reason "abort"."""
+        if self._sock is not None and self._fatal is None:
+            self._send(Abort(list(request_ids)))
+
+    async def call_utility(self, method: str, timeout: float = 30.0) -> UtilityResult:
+        """Call an engine method by name (``get_stats``, ``reset_prefix_cache``)."""
+        if self._fatal is not None:
+            raise self._fatal
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[UtilityResult] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        try:
+            self._send(UtilityCall(call_id, method))
+            result = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+        if not result.ok:
+            raise EngineError(ERR_UNKNOWN_METHOD, result.message)
+        return result
+
+    async def close(self) -> None:
+        """Stop the background tasks, fail what is pending, close the socket."""
+        self._fail_all(EngineError(ERR_CLOSED, "the client was closed"))
+        await self._teardown()
+
+    # ----------------------------------------------------------------------------- internals
+
+    def _send(self, msg: Hello | AddRequest | Abort | Heartbeat | UtilityCall) -> None:
+        # DEALER with an unbounded queue never blocks, so no await: safe inside finally blocks.
+        assert self._sock is not None
+        self._sock.send(self._codec.encode(msg), copy=False)
+
+    def _decode(self, frame: bytes) -> EngineToFrontend | None:
+        try:
+            return self._codec.decode(frame)
+        except DecodeError as e:
+            log.error("undecodable frame from the engine-core: %s", e)
+            return None
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            msg = self._decode(await self._sock.recv())
+            self._last_rx = time.monotonic()
+            if isinstance(msg, Outputs):
+                if msg.stats is not None:
+                    self.stats = msg.stats
+                for out in msg.outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.got_output = True
+                        stream.queue.put_nowait(out)
+            elif isinstance(msg, Error):
+                self._on_error(msg)
+            elif isinstance(msg, Ready):
+                self._on_ready_again(msg)
+            elif isinstance(msg, UtilityResult):
+                fut = self._calls.get(msg.call_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    def _on_error(self, err: Error) -> None:
+        if err.request_id is not None and err.request_id in self._streams:
+            self._streams[err.request_id].queue.put_nowait(EngineError(err.code, err.message, err.request_id))
+        elif err.fatal:
+            log.error("engine-core: %s", err.message)
+            self._fail_all(EngineError(err.code, err.message))
+        elif err.code == ERR_NOT_READY:
+            # The engine dropped us (our loop stalled past its client timeout) or restarted: what
+            # already streamed was aborted there and fails; say Hello again, then resubmit the rest.
+            if not self._rehello:
+                log.warning("engine-core forgot this client (%s): saying hello again", err.message)
+                self._rehello = True
+                lost = EngineError(err.code, f"the engine-core dropped this client mid-request: {err.message}")
+                for stream in self._streams.values():
+                    if stream.got_output:
+                        stream.queue.put_nowait(lost)
+                self._send(Hello(PROTOCOL_VERSION, self.client_name))
+        else:
+            log.warning("engine-core error [%s]: %s", err.code, err.message)
+
+    def _on_ready_again(self, ready: Ready) -> None:
+        self.ready = ready
+        if self._rehello:
+            self._rehello = False
+            for stream in self._streams.values():
+                if not stream.got_output:
+                    self._send(stream.request)
+
+    async def _heartbeat_loop(self) -> None:
+        last_tick = time.monotonic()
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            now = time.monotonic()
+            if now - last_tick > DEAD_AFTER_S:
+                # Our own event loop was blocked (a synchronous caller): that silence is ours, so
+                # give the engine a fresh window to answer this heartbeat.
+                self._last_rx = now
+            last_tick = now
+            silent = now - self._last_rx
+            # Frames already queued mean our own loop was stalled, not that the engine went away.
+            pending = self._sock is not None and bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            if silent > DEAD_AFTER_S and not pending:
+                self._fail_all(EngineError(ERR_ENGINE_DEAD, f"no message from the engine-core at {self.address} "
+                                                            f"for {silent:.1f} s: it died or is unreachable"))
+                return
+            self._send(Heartbeat())
+
+    def _fail_pending(self, error: EngineError) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(error)
+
+    def _fail_all(self, error: EngineError) -> None:
+        if self._fatal is None:
+            self._fatal = error
+        self._fail_pending(error)
+
+    async def _teardown(self) -> None:
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        for task in self._tasks:
+            if task is not current:
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+        self._tasks = []
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+
+class BlockingEngineClient:
+    """EngineClient for synchronous code: an event loop runs in a daemon thread."""
+
+    def __init__(self, address: str, client_name: str = "") -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="engine-client", daemon=True)
+        self._thread.start()
+        self._client = EngineClient(address, client_name)
+
+    @property
+    def ready(self) -> Ready | None:
+        return self._client.ready
+
+    @property
+    def stats(self) -> SchedulerStats | None:
+        return self._client.stats
+
+    def _run(self, coro: object, timeout: float | None = None) -> object:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)  # type: ignore[arg-type]
+
+    def connect(self, timeout: float = 30.0) -> Ready:
+        return self._run(self._client.connect(timeout))  # type: ignore[return-value]
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 priority: int = 0, arrival_time: float | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's deltas; closing the iterator early aborts the request."""
+        agen = self._client.generate(request_id, prompt_token_ids, sampling_params, priority, arrival_time)
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())  # type: ignore[misc]
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(agen.aclose())
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._run(self._client.abort(request_ids))
+
+    def call_utility(self, method: str, timeout: float = 30.0) -> UtilityResult:
+        return self._run(self._client.call_utility(method, timeout))  # type: ignore[return-value]
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._run(self._client.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5.0)
+            self._loop.close()

@@ -1,0 +1,94 @@
+"""Drive a ModelRunner with the real scheduler in-process, plainly or with one step of overlap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from evenflow.core.config import SchedulerConfig
+from evenflow.core.request import Request
+from evenflow.core.scheduler import Scheduler
+from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput, WorkerConfig
+from evenflow.worker.runner import ModelRunner
+
+
+@dataclass
+class Job:
+    """A request to submit at ``arrive_step`` (the step counter of the loop)."""
+
+    req_id: str
+    prompt: list[int]
+    max_tokens: int
+    arrive_step: int = 0
+    params: SamplingParams | None = None
+
+
+@dataclass
+class RunResult:
+    outputs: dict[str, list[int]]
+    steps: list[SchedulerOutput] = field(default_factory=list)
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(len(s.preempted_req_ids) for s in self.steps)
+
+    @property
+    def mixed_steps(self) -> int:
+        """Steps where one request decoded while another prefilled a chunk of > 1 token."""
+        return sum(1 for s in self.steps if 1 in s.num_scheduled_tokens.values()
+                   and any(n > 1 for n in s.num_scheduled_tokens.values()))
+
+
+def make_runner(model_dir: Path, num_blocks: int = 256, block_size: int = 8, max_model_len: int = 512,
+                **overrides: object) -> ModelRunner:
+    cfg = WorkerConfig(model=str(model_dir), dtype="float32", device="cpu", block_size=block_size,
+                       max_model_len=max_model_len, num_kv_blocks=num_blocks, **overrides)
+    runner = ModelRunner(cfg)
+    runner.init_kv_cache(runner.determine_num_kv_blocks())
+    return runner
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_jobs(runner: ModelRunner, jobs: list[Job], num_blocks: int, budget: int = 2048, overlap: bool = False,
+             enable_prefix_caching: bool = True, max_steps: int = 2000,
+             max_model_len: int | None = None) -> RunResult:
+    """Run ``jobs`` to completion; with ``overlap`` step N+1 is scheduled before N's output applies.
+
+    The runner's cache is reallocated to ``num_blocks`` so that it matches the scheduler's pool.
+    """
+    runner.init_kv_cache(num_blocks)
+    sched = Scheduler(SchedulerConfig(num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
+                                      max_model_len=max_model_len or runner.config.max_model_len,
+                                      block_size=runner.block_size,
+                                      enable_prefix_caching=enable_prefix_caching))
+    result = RunResult({j.req_id: [] for j in jobs})
+    pending = sorted(jobs, key=lambda j: j.arrive_step)
+    in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput | None]] = []
+    for step in range(max_steps):
+        while pending and pending[0].arrive_step <= step:
+            j = pending.pop(0)
+            sched.add_request(Request(j.req_id, j.prompt, j.params or greedy(j.max_tokens)))
+        if not sched.has_unfinished_requests() and not pending:
+            break
+        so = sched.schedule()
+        result.steps.append(so)
+        in_flight.append((so, runner.execute_model(so)))
+        # Overlap: keep one step in flight, apply it only after the next one was scheduled.
+        while len(in_flight) > (1 if overlap else 0):
+            _apply(sched, in_flight.pop(0), result)
+    else:
+        raise AssertionError(f"jobs did not finish in {max_steps} steps")
+    while in_flight:
+        _apply(sched, in_flight.pop(0), result)
+    runner.execute_model(sched.schedule())  # deliver the last finished ids so the batch empties
+    return result
+
+
+def _apply(sched: Scheduler, done: tuple[SchedulerOutput, ModelRunnerOutput | None], result: RunResult) -> None:
+    so, mro = done
+    assert mro is not None and mro.step_id == so.step_id
+    for out in sched.update_from_output(so, mro):
+        result.outputs[out.request_id].extend(out.new_token_ids)

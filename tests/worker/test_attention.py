@@ -1,0 +1,156 @@
+"""Attention backends against a naive per-request reference on a random paged cache: decodes of
+many lengths (grouped), fresh prefill chunks, and chunks continuing a cached context, with GQA."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from evenflow.worker.attention.base import AttentionBackend, AttentionInputs
+from evenflow.worker.attention.torch_paged import TorchPagedAttention, split_decode_groups
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def build_case(block_size: int, device: str, seed: int = 0, num_decodes: int = 20,
+               chunks: tuple[tuple[int, int], ...] = ((9, 9), (5, 37), (1, 30), (16, 16))):
+    """(inputs, q, k, v, caches, reference output). ``chunks``: (new tokens, context length)."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    hkv, heads, d = 2, 6, 16
+    decode_lens = np.sort(rng.integers(1, 90, num_decodes))
+    q_lens = [1] * num_decodes + [n for n, _ in chunks]
+    ctx_lens = list(decode_lens) + [c for _, c in chunks]
+    max_blocks = -(-max(ctx_lens) // block_size)
+    num_blocks = len(q_lens) * max_blocks + 3
+    perm = rng.permutation(num_blocks)
+    table = perm[: len(q_lens) * max_blocks].reshape(len(q_lens), max_blocks).astype(np.int32)
+    kc = torch.randn(num_blocks, block_size, hkv, d, generator=g)
+    vc = torch.randn(num_blocks, block_size, hkv, d, generator=g)
+    total = sum(q_lens)
+    q = torch.randn(total, heads, d, generator=g)
+    k = torch.randn(total, hkv, d, generator=g)
+    v = torch.randn(total, hkv, d, generator=g)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    slots = []
+    for i, (n, c) in enumerate(zip(q_lens, ctx_lens)):
+        pos = np.arange(c - n, c)
+        slots.append(table[i, pos // block_size].astype(np.int64) * block_size + pos % block_size)
+    slots = np.concatenate(slots)
+    # Reference: write the new K/V, then attend each query to its context, causally.
+    kref, vref = kc.clone().view(-1, hkv, d), vc.clone().view(-1, hkv, d)
+    kref[torch.from_numpy(slots)] = k
+    vref[torch.from_numpy(slots)] = v
+    ref = torch.empty(total, heads * d)
+    for i, (n, c) in enumerate(zip(q_lens, ctx_lens)):
+        pos = np.arange(c)
+        ctx_slots = torch.from_numpy(table[i, pos // block_size].astype(np.int64) * block_size + pos % block_size)
+        kk = kref[ctx_slots].repeat_interleave(heads // hkv, dim=1).transpose(0, 1)
+        vv = vref[ctx_slots].repeat_interleave(heads // hkv, dim=1).transpose(0, 1)
+        qq = q[qsl[i] : qsl[i + 1]].transpose(0, 1)
+        scores = qq @ kk.transpose(1, 2) * d**-0.5
+        allowed = torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        ref[qsl[i] : qsl[i + 1]] = (scores.softmax(-1) @ vv).transpose(0, 1).reshape(n, heads * d)
+    seq_lens = np.array(ctx_lens, dtype=np.int32)
+    dev = torch.device(device)
+    inputs = AttentionInputs(
+        num_tokens=total, num_reqs=len(q_lens), num_decodes=num_decodes, max_query_len=max(q_lens),
+        max_seq_len=max(ctx_lens), block_size=block_size, query_start_loc=torch.from_numpy(qsl).to(dev),
+        seq_lens=torch.from_numpy(seq_lens).to(dev), block_table=torch.from_numpy(table).to(dev),
+        slot_mapping=torch.from_numpy(slots).to(dev), query_start_loc_np=qsl, seq_lens_np=seq_lens,
+        block_table_np=table,
+    )
+    caches = (kc.to(dev), vc.to(dev))
+    return inputs, q.to(dev), k.to(dev), v.to(dev), caches, ref, (heads, hkv, d)
+
+
+def check_backend(backend_cls: type[AttentionBackend], block_size: int, device: str, atol: float = 1e-4,
+                  dtype: torch.dtype = torch.float32) -> None:
+    inputs, q, k, v, caches, ref, (heads, hkv, d) = build_case(block_size, device)
+    backend = backend_cls(heads, hkv, d, d**-0.5, dtype)
+    caches = (caches[0].to(dtype), caches[1].to(dtype))
+    out = backend.forward(q.to(dtype), k.to(dtype), v.to(dtype), caches, backend.plan(inputs))
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out.float().cpu(), ref, atol=atol, rtol=atol)
+    # The new K/V landed at their slots.
+    slots = inputs.slot_mapping.cpu()
+    torch.testing.assert_close(caches[0].view(-1, hkv, d)[slots.to(caches[0].device)].float().cpu(), k.float().cpu())
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_torch_backend_matches_reference(block_size: int) -> None:
+    check_backend(TorchPagedAttention, block_size, "cpu")
+
+
+def test_decode_groups_are_contiguous_and_bounded() -> None:
+    lens = np.sort(np.random.default_rng(1).integers(128, 640, 64))
+    groups = split_decode_groups(lens, 16, 2048)
+    assert groups[0][0] == 0 and groups[-1][1] == 64
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(groups, groups[1:]))
+    assert 1 < len(groups) < 64
+    assert split_decode_groups(np.array([5, 6, 7]), 16, 2048) == [(0, 3)]
+    assert split_decode_groups(np.array([10**6]), 16, 2048) == [(0, 1)]
+
+
+def _run_triton_interpreted() -> None:
+    from evenflow.worker.attention.triton_paged import TritonPagedAttention
+
+    check_backend(TritonPagedAttention, 16, "cpu")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_kernel_in_interpreter_mode() -> None:
+    """The Triton kernel on CPU tensors through TRITON_INTERPRET=1 (a fresh process: the flag is
+    read when triton is imported)."""
+    code = "from tests.worker.test_attention import _run_triton_interpreted as f; f()"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_backend_on_cuda(dtype: torch.dtype) -> None:
+    from evenflow.worker.attention.triton_paged import TritonPagedAttention
+
+    check_backend(TritonPagedAttention, 16, "cuda", atol=1e-4 if dtype == torch.float32 else 3e-2, dtype=dtype)
+
+
+@cuda
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn is not installed")
+def test_flash_backend_on_cuda() -> None:
+    from evenflow.worker.attention.flash import FlashAttention
+
+    check_backend(FlashAttention, FlashAttention.block_size_for(16), "cuda", atol=3e-2, dtype=torch.bfloat16)
+
+
+def test_selector_picks_torch_on_cpu_and_refuses_cuda_backends_there() -> None:
+    from evenflow.worker.attention.selector import select_backend
+
+    cpu = torch.device("cpu")
+    assert select_backend("auto", cpu, torch.float32) is TorchPagedAttention
+    assert select_backend("torch", cpu, torch.bfloat16) is TorchPagedAttention
+    for name in ("flash_attn", "triton"):
+        with pytest.raises(ValueError, match="CUDA"):
+            select_backend(name, cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_backend("xformers", cpu, torch.float32)
+
+
+def test_torch_backend_with_many_small_decode_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    import evenflow.worker.attention.torch_paged as torch_paged
+
+    monkeypatch.setattr(torch_paged, "GROUP_TARGET_BYTES", 4096)
+    check_backend(TorchPagedAttention, 4, "cpu")

@@ -1,0 +1,62 @@
+"""Tensor parallel 2 (gloo, two processes) produces exactly what tensor parallel 1 does."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+from evenflow.protocol import ModelRunnerOutput, WorkerConfig
+
+from tests.worker.harness import Job, make_runner, run_jobs
+from tests.worker.test_runner_correctness import make_prompt
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1(tiny_llama: Path, tmp_path: Path) -> None:
+    # TP 1 with the real scheduler, recording its steps (chunked prefill, mixed decode/prefill).
+    runner = make_runner(tiny_llama, num_blocks=64, block_size=8, max_num_seqs=8)
+    jobs = [Job(f"tp-{n}", make_prompt(n, n), 7, arrive_step=n % 3) for n in (5, 23, 12)]
+    result = run_jobs(runner, jobs, num_blocks=64, budget=16)
+    steps_file = tmp_path / "steps.msgpack"
+    steps_file.write_bytes(msgspec.msgpack.encode(result.steps))
+    # The same SchedulerOutputs to two ranks.
+    out_file = tmp_path / "rank0.msgpack"
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    procs = []
+    try:
+        for rank in range(2):
+            cfg = WorkerConfig(model=str(tiny_llama), rank=rank, world_size=2, dtype="float32", device="cpu",
+                               block_size=8, max_model_len=512, num_kv_blocks=64, max_num_seqs=8,
+                               dist_init_addr=addr, num_threads=1)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tests.worker.tp_rank", msgspec.json.encode(cfg).decode(), str(steps_file),
+                 str(out_file)],
+                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+            ))
+        for p in procs:
+            assert p.wait(timeout=240) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outputs = msgspec.msgpack.decode(out_file.read_bytes(), type=list[ModelRunnerOutput])
+    tp2: dict[str, list[int]] = {j.req_id: [] for j in jobs}
+    for out in outputs:
+        for req_id, toks in zip(out.req_ids, out.sampled_token_ids):
+            tp2[req_id].extend(toks)
+    assert tp2 == result.outputs
+    assert all(len(v) == 7 for v in tp2.values())

@@ -1,0 +1,139 @@
+"""Read a HuggingFace ``config.json`` (and ``generation_config.json``) into one flat dataclass.
+
+Both config layouts are accepted: the classic one (top-level ``rope_theta`` / ``rope_scaling``)
+that real checkpoints carry, and the transformers-5 one (``rope_parameters: {rope_theta,
+rope_type, ...}``) that freshly saved test checkpoints carry.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """The ``llama3`` frequency rescaling (the only rope_scaling type supported besides none)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model facts the worker needs, independent of the config.json dialect."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    torch_dtype: str  # the checkpoint's dtype name ("float32", "bfloat16", ...)
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """Return (rope_theta, llama3 scaling or None) from either config dialect."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    # In transformers 5 the scaling fields live in rope_parameters next to rope_theta.
+    source = scaling if scaling else params
+    rope_type = source.get("rope_type", source.get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, llama3)")
+    return float(theta), RopeScaling(
+        factor=float(source["factor"]),
+        low_freq_factor=float(source["low_freq_factor"]),
+        high_freq_factor=float(source["high_freq_factor"]),
+        original_max_position_embeddings=int(source["original_max_position_embeddings"]),
+    )
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    """The effective sliding window, or None when every layer attends to its full context."""
+    window = raw.get("sliding_window")
+    if window is None:
+        return None
+    # Qwen2/3 carry a window that is off unless use_sliding_window is set.
+    if raw.get("model_type", "").startswith("qwen") and not raw.get("use_sliding_window", False):
+        return None
+    return int(window)
+
+
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    """Parse ``model_dir/config.json`` (+ generation_config.json for EOS ids).
+
+    Raises ValueError naming the architecture when it is not one this worker implements.
+    """
+    model_dir = Path(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"unsupported model architecture {archs!r} in {model_dir / 'config.json'}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    theta, scaling = _rope(raw)
+    num_heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
+    head_dim = raw.get("head_dim") or hidden // num_heads
+    eos = _as_id_list(raw.get("eos_token_id"))
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        gen_eos = _as_id_list(json.loads(gen_path.read_text()).get("eos_token_id"))
+        eos = eos + [e for e in gen_eos if e not in eos]
+    dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    return ModelConfig(
+        architecture=arch,
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        vocab_size=int(raw["vocab_size"]),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_window=_sliding_window(raw),
+        torch_dtype=str(dtype),
+        eos_token_ids=eos,
+    )

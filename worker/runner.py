@@ -1,0 +1,185 @@
+"""ModelRunner: SchedulerOutput -> persistent batch -> varlen inputs -> forward -> sample.
+
+The worker process (worker/process.py) drives one ModelRunner per rank:
+
+    runner = ModelRunner(config)
+    runner.init_kv_cache(runner.determine_num_kv_blocks())   # min over ranks, decided by the engine
+    out = runner.execute_model(scheduler_output)              # every step, on every rank
+
+With tensor parallelism every rank runs the same steps; rank 0 samples and broadcasts the sampled
+ids so every rank appends the same tokens (see worker/parallel.py), and only rank 0 returns a
+ModelRunnerOutput.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from evenflow.protocol import ModelRunnerOutput, SchedulerOutput, TokenLogprobs, WorkerConfig
+from evenflow.worker.attention.base import AttentionInputs
+from evenflow.worker.attention.selector import select_backend
+from evenflow.worker.batch import PersistentBatch, RequestState, StepInputs
+from evenflow.worker.config_reader import read_model_config
+from evenflow.worker.kv_cache import allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks
+from evenflow.worker.loader import load_weights, resolve_dtype
+from evenflow.worker.models.registry import build_model
+from evenflow.worker.parallel import destroy_tensor_parallel, init_tensor_parallel
+from evenflow.worker.sampler import Sampler, SamplingMetadata
+
+
+def resolve_device(requested: str, rank: int) -> torch.device:
+    """``auto``: this rank's CUDA device when there is one, else the CPU."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(requested)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+    return device
+
+
+class ModelRunner:
+    """Loads the model for one rank and executes scheduler steps on it."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device, config.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init_addr, self.device)
+        self.model_config = read_model_config(config.model)
+        self.torch_dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
+        self.dtype = str(self.torch_dtype).removeprefix("torch.")
+        backend_cls = select_backend(config.attention_backend, self.device, self.torch_dtype)
+        self.attention_backend = backend_cls.name
+        self.block_size = backend_cls.block_size_for(config.block_size)
+        torch.manual_seed(config.seed)
+        self.model = build_model(self.model_config, self.tp, self.torch_dtype, self.device, config.max_model_len)
+        load_weights(self.model, config.model, config.load_format, config.seed)
+        self.model.eval()
+        cfg = self.model_config
+        self.attn = backend_cls(self.model.num_heads, self.model.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,
+                                self.torch_dtype)
+        self.batch = PersistentBatch(config.max_num_seqs, config.max_model_len, self.block_size, self.device)
+        self.sampler = Sampler()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.eos_token_ids = list(cfg.eos_token_ids)
+        self.vocab_size = cfg.vocab_size
+
+    # ------------------------------------------------------------------ KV cache
+
+    def _block_bytes(self) -> int:
+        return bytes_per_block(self.model_config.num_layers, self.block_size, self.model.num_kv_heads,
+                               self.model_config.head_dim, self.torch_dtype)
+
+    def determine_num_kv_blocks(self) -> int:
+        """Blocks this rank can hold: ``num_kv_blocks`` if set, else from memory (see kv_cache.py)."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            self.profile_forward()
+            torch.cuda.empty_cache()
+            return cuda_num_blocks(self._block_bytes(), self.device)
+        return cpu_num_blocks(self._block_bytes(), self.config.kv_cache_memory, self.config.world_size)
+
+    def profile_forward(self) -> None:
+        """One forward at the largest step (max_num_batched_tokens, max_num_seqs samples) on a
+        scratch cache, so that activation memory is measured before the real cache is sized."""
+        tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        num_blocks = -(-tokens // self.block_size)
+        caches = allocate_kv_cache(self.model_config.num_layers, num_blocks, self.block_size,
+                                   self.model.num_kv_heads, self.model_config.head_dim, self.torch_dtype, self.device)
+        dev = self.device
+        block_table = np.arange(num_blocks, dtype=np.int32)[None, :]
+        qsl = np.array([0, tokens], dtype=np.int32)
+        seq_lens = np.array([tokens], dtype=np.int32)
+        inputs = AttentionInputs(
+            num_tokens=tokens, num_reqs=1, num_decodes=0, max_query_len=tokens, max_seq_len=tokens,
+            block_size=self.block_size, query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev), block_table=torch.from_numpy(block_table).to(dev),
+            slot_mapping=torch.arange(tokens, device=dev), query_start_loc_np=qsl, seq_lens_np=seq_lens,
+            block_table_np=block_table,
+        )
+        num_samples = min(self.config.max_num_seqs, tokens)
+        logits_indices = torch.arange(tokens - num_samples, tokens, device=dev)
+        with torch.inference_mode():
+            self.model(torch.zeros(tokens, dtype=torch.long, device=dev), torch.arange(tokens, device=dev), caches,
+                       self.attn, self.attn.plan(inputs), logits_indices)
+        del caches
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` blocks per layer (K and V)."""
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.kv_caches = allocate_kv_cache(self.model_config.num_layers, num_blocks, self.block_size,
+                                           self.model.num_kv_heads, self.model_config.head_dim, self.torch_dtype,
+                                           self.device)
+
+    # ------------------------------------------------------------------ steps
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step. Returns the sampled tokens on rank 0, None on the other ranks."""
+        if not self.kv_caches:
+            raise RuntimeError("execute_model before init_kv_cache")
+        so = scheduler_output
+        t0 = time.perf_counter()
+        self.batch.update(so)
+        if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
+            return ModelRunnerOutput(so.step_id, [], []) if self.tp.rank == 0 else None
+        inputs = self.batch.prepare_inputs(so)
+        plan = self.attn.plan(inputs.attn)
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attn, plan,
+                                inputs.logits_indices)
+        t2 = time.perf_counter()
+        sampled_reqs = [s for s, m in zip(inputs.requests, inputs.sample_mask.tolist()) if m]
+        sampled, logprobs = self._sample(logits, sampled_reqs)
+        self.batch.append_sampled(sampled_reqs, sampled)
+        t3 = time.perf_counter()
+        if self.tp.rank != 0:
+            return None
+        return self._output(so.step_id, inputs, sampled, logprobs, t1 - t0, t2 - t1, t3 - t2)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[RequestState]) -> tuple[np.ndarray, list | None]:
+        """Rank 0 samples; other ranks receive its ids. Returns (ids as numpy, sampler logprobs)."""
+        if not reqs:
+            return np.zeros(0, dtype=np.int64), None
+        logprobs = None
+        if self.tp.rank == 0:
+            meta = SamplingMetadata.build([s.sampling for s in reqs], self.vocab_size, self.eos_token_ids,
+                                          self.device)
+            with torch.inference_mode():  # the logits are inference tensors
+                out = self.sampler(logits, meta)
+            ids, logprobs = out.sampled_token_ids, out.logprobs
+        else:
+            ids = torch.empty(len(reqs), dtype=torch.long, device=self.device)
+        ids = self.tp.broadcast_from_rank0(ids)
+        return ids.cpu().numpy(), logprobs
+
+    def _output(self, step_id: int, inputs: StepInputs, sampled: np.ndarray, logprobs: list | None,
+                prepare_s: float, forward_s: float, sample_s: float) -> ModelRunnerOutput:
+        mask = inputs.sample_mask.tolist()
+        tokens = iter(sampled.tolist())
+        sampled_lists = [[next(tokens)] if m else [] for m in mask]
+        aligned: list[TokenLogprobs | None] | None = None
+        if logprobs is not None:
+            lp = iter(logprobs)
+            aligned = [next(lp) if m else None for m in mask]
+        return ModelRunnerOutput(
+            step_id=step_id,
+            req_ids=[s.req_id for s in inputs.requests],
+            sampled_token_ids=sampled_lists,
+            logprobs=aligned,
+            prepare_s=prepare_s,
+            forward_s=forward_s,
+            sample_s=sample_s,
+        )
+
+    def shutdown(self) -> None:
+        """Release the cache and leave the process group."""
+        self.kv_caches = []
+        destroy_tensor_parallel()

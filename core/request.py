@@ -128,6 +128,7 @@ class Request:
         self.cache_extra_keys: tuple[object, ...] | None = None
         # Step that first scheduled this request (-1: never): outputs of older steps are stale.
         self.first_scheduled_step = -1
+        self.first_scheduled_time = 0.0  # unix seconds; for the queue-time metric
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """The one way tokens are added: output and all-tokens lists grow together."""

@@ -152,6 +152,7 @@ class Scheduler:
                 block_ids = kv.get_block_ids(req_id)
                 if request.status == RequestStatus.WAITING:
                     request.first_scheduled_step = step_id
+                    request.first_scheduled_time = time.time()
                     request.num_cached_tokens = computed.num_tokens
                     new_reqs.append(
                         NewRequestData(
@@ -290,6 +291,9 @@ class Scheduler:
                     request.num_cached_tokens,
                     [step_logprobs] if step_logprobs is not None else None,
                     request.stop_reason,
+                    # The first output carries the queue time (arrival -> first scheduled).
+                    request.first_scheduled_time - request.arrival_time
+                    if request.num_output_tokens == num_accepted else None,
                 )
             )
         if any_running_finished:

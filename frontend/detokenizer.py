@@ -50,7 +50,7 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        if not final and self.token_ids[-1] in self.tokenizer.byte_fallback_ids:
+        if not final and self._inside_byte_run():
             return ""  # a run of <0xNN> tokens decodes as one group: wait until it ends
         decode = self.tokenizer.hf.decode
         window = self.token_ids[self.prefix_offset:]
@@ -71,6 +71,18 @@ class IncrementalDetokenizer:
         self._prefix_text = decode(self.token_ids[self.prefix_offset:self.read_offset],
                                    skip_special_tokens=self.skip_special_tokens)
         return delta
+
+    def _inside_byte_run(self) -> bool:
+        """Whether the last (non-skipped) token is a <0xNN> byte token. A skipped special token
+        does not end a run: the decoder joins the bytes on both sides of it."""
+        byte_ids = self.tokenizer.byte_fallback_ids
+        if not byte_ids:
+            return False
+        special = self.tokenizer.special_ids if self.skip_special_tokens else frozenset()
+        for token_id in reversed(self.token_ids):
+            if token_id not in special:
+                return token_id in byte_ids
+        return False
 
     def _emitted_text(self) -> str:
         return self.tokenizer.hf.decode(self.token_ids[: self.read_offset], skip_special_tokens=self.skip_special_tokens)

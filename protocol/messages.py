@@ -273,6 +273,8 @@ class RequestOutput(Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
     stop_reason: int | None = None  # the stop token id that ended the request, if any
+    # Seconds from arrival to first being scheduled; set on the request's first output only.
+    queue_time_s: float | None = None
 
 
 class SchedulerStats(Struct, array_like=True):

@@ -129,9 +129,8 @@ class Generation:
         delta = job.assembler.update(out)
         if self.metrics is not None and job.timer is not None:
             now = time.time()
-            queue_time = getattr(out, "queue_time_s", None)  # engine-side wait, when the engine reports it
-            if queue_time is not None and job.timer.first_token is None:
-                self.metrics.on_queue_time(queue_time)
+            if out.queue_time_s is not None:  # the engine sets it on a request's first output only
+                self.metrics.on_queue_time(out.queue_time_s)
             self.metrics.on_tokens(job.timer, len(out.new_token_ids), now)
             if delta.finish_reason is not None:
                 self.metrics.on_finish(job.timer, delta.finish_reason, now)

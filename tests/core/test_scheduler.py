@@ -383,3 +383,19 @@ def test_reset_prefix_cache() -> None:
     assert scheduler.reset_prefix_cache()
     add(scheduler, "b", 9)
     assert scheduler.schedule().scheduled_new_reqs[0].num_computed_tokens == 0
+
+
+def test_first_output_carries_queue_time_only_once() -> None:
+    import time
+
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    arrival = time.time() - 2.0  # arrived two seconds ago
+    add(scheduler, "a", 12, arrival=arrival)
+    so = scheduler.schedule()  # a partial chunk: no output yet
+    assert scheduler.update_from_output(so, sample(so, {}, scheduler)) == []
+    so = scheduler.schedule()
+    (first,) = scheduler.update_from_output(so, sample(so, {}, scheduler))
+    assert first.queue_time_s is not None and 2.0 <= first.queue_time_s < 60.0
+    so = scheduler.schedule()
+    (second,) = scheduler.update_from_output(so, sample(so, {}, scheduler))
+    assert second.new_token_ids == [5] and second.queue_time_s is None

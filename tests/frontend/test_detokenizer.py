@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
@@ -84,6 +84,7 @@ def test_random_byte_level_sequences_stream_exactly(demo_tokenizer: Tokenizer, i
 @settings(max_examples=300, deadline=None)
 @given(ids=st.lists(st.integers(0, len(BYTE_FALLBACK.hf.get_vocab()) - 1), max_size=40),
        chunks=st.lists(st.integers(1, 4), max_size=6), skip_special=st.booleans())
+@example(ids=[3, 1, 131], chunks=[], skip_special=True)  # a skipped special token inside a byte run
 def test_random_byte_fallback_sequences_stream_exactly(ids: list[int], chunks: list[int], skip_special: bool) -> None:
     _check(BYTE_FALLBACK, ids, chunks, skip_special)
 

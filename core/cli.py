@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Sequence
 
+import zmq
+
 from .engine_config import ConfigError, build_parser, config_from_args
 from .model_info import read_model_info
 from .workers import WorkerFailure
@@ -44,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         ready = engine.start()
-    except (WorkerFailure, ValueError) as e:
+    except (WorkerFailure, ValueError, zmq.ZMQError) as e:  # ZMQError: e.g. --listen address in use
         log.error("start-up failed: %s", e)
         engine.workers.shutdown(timeout=1.0)
         return 1

@@ -100,7 +100,7 @@ class EngineCore:
         self.scheduler = Scheduler(sched_cfg)
         ready = Ready(PROTOCOL_VERSION, self.info.model_name, self.info.model_path, self.max_model_len,
                       self.info.vocab_size, list(self.info.eos_token_ids), self.block_size, num_blocks,
-                      self.cfg.max_num_batched_tokens, uuid.uuid4().hex[:12])
+                      self.cfg.max_num_batched_tokens, uuid.uuid4().hex[:12], self.cfg.max_frame_bytes)
         self.link = FrontendLink(self._ctx, self.cfg.listen, ready, max_frame_bytes=self.cfg.max_frame_bytes,
                                  client_timeout=self.cfg.client_timeout)
         self.link.start()
@@ -160,9 +160,7 @@ class EngineCore:
         assert sched is not None
         scheduled = False
         if len(self._in_flight) < self._depth and sched.has_unfinished_requests():
-            t0 = time.perf_counter()
             so = sched.schedule()
-            self._times.schedule_s += time.perf_counter() - t0
             if so.total_num_scheduled_tokens > 0:
                 self._send(so)
                 scheduled = True
@@ -172,9 +170,7 @@ class EngineCore:
         if self._in_flight and (len(self._in_flight) >= self._depth or not scheduled):
             item = self._in_flight.popleft()
             mro = self.workers.recv_output(item.so.step_id)
-            t0 = time.perf_counter()
             outputs = sched.update_from_output(item.so, mro)
-            self._times.update_s += time.perf_counter() - t0
             self._account(mro, item.after_idle)
             self._publish(outputs)
             return True

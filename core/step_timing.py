@@ -9,10 +9,8 @@ from evenflow.protocol import ModelRunnerOutput, SchedulerStats
 
 @dataclass
 class StepTiming:
-    """Seconds, cumulative since start-up."""
+    """Worker seconds, cumulative since start-up (the scheduler times its own calls)."""
 
-    schedule_s: float = 0.0
-    update_s: float = 0.0
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
@@ -28,9 +26,7 @@ class StepTiming:
             self.idle_s += mro.wait_s
 
     def fill(self, stats: SchedulerStats) -> SchedulerStats:
-        """Write the worker fields (and the scheduler's own, if it does not time itself)."""
-        stats.schedule_s = stats.schedule_s or self.schedule_s
-        stats.update_s = stats.update_s or self.update_s
+        """Write the worker fields into the scheduler's stats."""
         stats.worker_prepare_s, stats.worker_forward_s = self.prepare_s, self.forward_s
         stats.worker_sample_s, stats.worker_idle_s = self.sample_s, self.idle_s
         return stats

@@ -18,6 +18,8 @@ def validate_add_request(req: AddRequest, vocab_size: int, max_model_len: int) -
         bad = lo if lo < 0 else hi
         return (f"prompt token id {bad} at position {ids.index(bad)} is outside the vocabulary "
                 f"[0, {vocab_size})")
+    if not (0.0 <= req.arrival_time < float("inf")):  # NaN would corrupt the priority order
+        return f"arrival_time must be a finite unix time >= 0 (0 = now), got {req.arrival_time}"
     problem = req.sampling_params.validate(vocab_size)
     if problem is not None:
         return problem

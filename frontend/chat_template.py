@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, Mapping
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -47,25 +47,30 @@ def render_chat(
     add_generation_prompt: bool = True,
     bos_token: str | None = None,
     eos_token: str | None = None,
-    **extra: Any,
+    extra_context: Mapping[str, Any] | None = None,
 ) -> str:
-    """The prompt text for ``messages`` (dicts with ``role`` and ``content``)."""
+    """The prompt text for ``messages`` (dicts with ``role`` and ``content``).
+
+    ``extra_context`` (a request's ``chat_template_kwargs``) adds template variables; it never
+    overrides ``messages``, ``add_generation_prompt``, ``bos_token`` or ``eos_token``. Any failure
+    of the template is a ChatTemplateError (a 400), whatever the template raised.
+    """
     if not template:
         raise ChatTemplateError(
             "this model has no chat template; use /v1/completions or start the server with --chat-template FILE"
         )
+    context: dict[str, Any] = dict(extra_context or {})
+    context.update(messages=messages, add_generation_prompt=add_generation_prompt,
+                   bos_token=bos_token or "", eos_token=eos_token or "")
+    compiled = _compile(template)
     try:
-        return _compile(template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token or "",
-            eos_token=eos_token or "",
-            **extra,
-        )
+        return compiled.render(context)
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"the chat template failed on these messages: {e}") from None
+    except Exception as e:  # a filter or method raising on user data (TypeError, KeyError, ...)
+        raise ChatTemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
 
 
 def content_text(content: Any) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from evenflow.protocol import RequestOutput, TokenLogprobs
 
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from .tokenizer import Tokenizer
 
 
@@ -63,6 +63,9 @@ class LogprobEntry:
     token_id: int
     logprob: float
     top: list[tuple[str, int, float]]  # (token string, id, logprob), best first
+    # Characters of the choice's text before this token (from the detokenizer's real deltas, so a
+    # token that only completes a character shares its offset with the bytes before it).
+    text_offset: int = 0
 
 
 @dataclass
@@ -86,6 +89,7 @@ class ChoiceAssembler:
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_token_ids: list[int] = field(default_factory=list)  # decoding context for the first tokens
     detok: IncrementalDetokenizer = field(init=False)
     matcher: StopStringMatcher = field(init=False)
     text: str = ""
@@ -94,9 +98,10 @@ class ChoiceAssembler:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    detok_chars: int = 0  # length of all detokenized text so far (before stop-string truncation)
 
     def __post_init__(self) -> None:
-        self.detok = IncrementalDetokenizer(self.tokenizer, self.skip_special_tokens)
+        self.detok = IncrementalDetokenizer(self.tokenizer, self.skip_special_tokens, self.prompt_token_ids)
         self.matcher = StopStringMatcher(self.stop, self.include_stop_str_in_output)
 
     @property
@@ -109,12 +114,24 @@ class ChoiceAssembler:
             return ChoiceDelta("", [], None)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         new_ids = list(out.new_token_ids)
-        text = self.detok.push(new_ids)
+        offsets: list[int] | None = None
+        if out.logprobs is None:
+            text = self.detok.push(new_ids)
+        else:  # one token at a time, to know where each token's text starts
+            offsets, parts, at = [], [], self.detok_chars
+            for tok in new_ids:
+                held = self.detok.has_pending
+                piece = self.detok.push([tok])
+                offsets.append(at + _own_text_start(self.tokenizer, tok, piece) if held else at)
+                parts.append(piece)
+                at += len(piece)
+            text = "".join(parts)
         final = out.finish_reason is not None
         if final:
             text += self.detok.flush()
+        self.detok_chars += len(text)
         text, matched = self.matcher.feed(text, final=final)
-        lps = format_logprobs(self.tokenizer, new_ids, out.logprobs) if out.logprobs is not None else None
+        lps = format_logprobs(self.tokenizer, new_ids, out.logprobs, offsets) if out.logprobs is not None else None
         self.text += text
         self.token_ids.extend(new_ids)
         if lps:
@@ -130,31 +147,42 @@ class ChoiceAssembler:
         return delta
 
 
-def format_logprobs(tokenizer: Tokenizer, sampled: list[int], entries: list[TokenLogprobs] | None) -> list[LogprobEntry]:
-    """Resolve token strings of the engine's logprobs (sampled token first, then the top-n)."""
+def _own_text_start(tokenizer: Tokenizer, token_id: int, piece: str) -> int:
+    """Where ``token_id``'s own text starts in ``piece``, the delta its push released together with
+    held-back text of earlier tokens (a byte-fallback run ends only when a later token comes)."""
+    own = tokenizer.token_string(token_id)
+    if own and REPLACEMENT_CHAR not in own and piece.endswith(own):
+        return len(piece) - len(own)
+    return 0  # the token completes a held character: it starts where that character does
+
+
+def format_logprobs(tokenizer: Tokenizer, sampled: list[int], entries: list[TokenLogprobs] | None,
+                    text_offsets: list[int] | None = None) -> list[LogprobEntry]:
+    """Resolve token strings of the engine's logprobs (sampled token first, then the top-n);
+    ``text_offsets`` are where each sampled token's text starts in the choice's text."""
     result: list[LogprobEntry] = []
     if not entries:
         return result
-    for tok_id, e in zip(sampled, entries):
+    offsets = text_offsets if text_offsets is not None else [0] * len(sampled)
+    for tok_id, e, offset in zip(sampled, entries, offsets):
         ids, lps = e.token_ids, e.logprobs
         own = lps[0] if lps else 0.0
         top = [(tokenizer.token_string(i), i, lp) for i, lp in zip(ids[1:], lps[1:])]
-        result.append(LogprobEntry(tokenizer.token_string(tok_id), tok_id, own, top))
+        result.append(LogprobEntry(tokenizer.token_string(tok_id), tok_id, own, top, offset))
     return result
 
 
 def completion_logprobs_json(entries: list[LogprobEntry], text_offset_start: int = 0) -> dict:
-    """OpenAI legacy completions format: parallel lists plus ``top_logprobs`` dicts."""
+    """OpenAI legacy completions format: parallel lists plus ``top_logprobs`` dicts.
+    ``text_offset`` is each entry's offset shifted by ``text_offset_start`` (an echoed prefix)."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    offset = text_offset_start
     for e in entries:
         tokens.append(e.token)
         token_logprobs.append(e.logprob)
         tops = {s: lp for s, _, lp in e.top}
         tops.setdefault(e.token, e.logprob)
         top_logprobs.append(tops)
-        offsets.append(offset)
-        offset += len(e.token)
+        offsets.append(text_offset_start + e.text_offset)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 

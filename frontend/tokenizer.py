@@ -80,6 +80,7 @@ class Tokenizer:
         self.byte_fallback_ids = _byte_fallback_ids(hf)
         # Lazily filled cache of single-token strings (for logprobs), indexed by id.
         self._token_strings: dict[int, str] = {}
+        self._context_id: int | None | bool = False  # False: not looked for yet
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, chat_template: str | Path | None = None) -> "Tokenizer":
@@ -120,12 +121,44 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_string(self, token_id: int) -> str:
-        """The text of one token on its own (as logprobs show it), cached."""
+        """The text one token contributes in running text (as logprobs show it), cached.
+
+        Decoded after one plain context token and taken as the difference, so the decoder's rules
+        apply as they do mid-text: a Metaspace ``▁ab`` is " ab" (not "ab", which a lone decode
+        gives after the leading-space strip), a byte-level or ``<0xNN>`` token that is part of a
+        character is U+FFFD, special tokens show their content.
+        """
         s = self._token_strings.get(token_id)
         if s is None:
-            s = self.hf.decode([token_id], skip_special_tokens=False)
+            s = self._token_string_uncached(token_id)
             self._token_strings[token_id] = s
         return s
+
+    def _token_string_uncached(self, token_id: int) -> str:
+        decode = self.hf.decode
+        context = self._context_token()
+        if context is not None:
+            head = decode([context], skip_special_tokens=False)
+            both = decode([context, token_id], skip_special_tokens=False)
+            if both.startswith(head):
+                return both[len(head):]
+        return decode([token_id], skip_special_tokens=False)
+
+    def _context_token(self) -> int | None:
+        """A token that decodes to one stable ASCII letter and never merges with what follows
+        (checked: ``decode([c, c]) == 2 * decode([c])``); None when the vocabulary has none."""
+        if self._context_id is False:
+            self._context_id = None
+            for piece in ("a", "x", "e", "Ġa", "▁a"):
+                cid = self.hf.token_to_id(piece)
+                if cid is None or cid in self.special_ids:
+                    continue
+                one = self.hf.decode([cid], skip_special_tokens=False)
+                if len(one) == 1 and one.isascii() and one.isalpha() \
+                        and self.hf.decode([cid, cid], skip_special_tokens=False) == one * 2:
+                    self._context_id = cid
+                    break
+        return self._context_id  # type: ignore[return-value]
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         return [self.token_string(t) for t in token_ids]

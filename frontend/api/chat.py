@@ -23,14 +23,15 @@ from .openai import (
     ChatMessageOut,
     encode_json,
 )
-from .prepare import chat_logprobs, chat_prompt, plan_choices
+from .prepare import chat_logprobs, chat_prompt_async, check_unsupported, plan_choices
 from .sse import DONE, SSEResponse, run_until_disconnect, sse_event
 
 
 async def create_chat_completion(ctx: ServingContext, body: bytes, receive: Receive) -> Response | SSEResponse:
     req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest)
     ctx.check_model(req.model)
-    prompt_ids = chat_prompt(req, ctx.tokenizer, req.messages)
+    check_unsupported(req)
+    prompt_ids = await chat_prompt_async(req, ctx.tokenizer, req.messages)
     logprobs = chat_logprobs(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     plan = plan_choices(req, prompt_ids, ctx.max_model_len, ctx.vocab_size, logprobs, max_tokens=max_tokens)
@@ -69,12 +70,13 @@ async def _stream(
     model = ctx.model_name
     want_logprobs = req.logprobs
     try:
-        # Every choice opens with its role, as OpenAI streams do.
-        first = ChatCompletionChunk(request_id, created, model,
-                                    [ChatChunkChoice(j.index, ChatDelta(role="assistant", content="")) for j in gen.jobs])
-        if req.return_token_ids:
-            first.prompt_token_ids = gen.jobs[0].prompt_token_ids
-        yield sse_event(encode_json(first))
+        # Every choice opens with its role, one chunk per choice, as OpenAI and vLLM stream.
+        for job in gen.jobs:
+            opening = ChatCompletionChunk(request_id, created, model,
+                                          [ChatChunkChoice(job.index, ChatDelta(role="assistant", content=""))])
+            if req.return_token_ids and job.index == 0:
+                opening.prompt_token_ids = job.prompt_token_ids
+            yield sse_event(encode_json(opening))
         async for job, delta in gen.stream():
             if not delta.text and delta.finish_reason is None and not delta.logprobs and not req.return_token_ids:
                 continue

@@ -13,7 +13,7 @@ from .context import ServingContext, decode_body, engine_error_to_api, new_id
 from .errors import APIError
 from .generation import Generation
 from .openai import CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, Usage, encode_json
-from .prepare import completion_prompts, plan_choices
+from .prepare import COMPLETIONS_DEFAULT_MAX_TOKENS, check_unsupported, completion_prompts_async, plan_choices
 from .sse import DONE, SSEResponse, run_until_disconnect, sse_event
 
 
@@ -25,8 +25,10 @@ def usage_of(gen: Generation) -> Usage:
 async def create_completion(ctx: ServingContext, body: bytes, receive: Receive) -> Response | SSEResponse:
     req: CompletionRequest = decode_body(body, CompletionRequest)
     ctx.check_model(req.model)
-    prompts = completion_prompts(req.prompt, ctx.tokenizer)
-    plans = [plan_choices(req, ids, ctx.max_model_len, ctx.vocab_size, req.logprobs) for ids in prompts]
+    check_unsupported(req)
+    prompts = await completion_prompts_async(req.prompt, ctx.tokenizer)
+    plans = [plan_choices(req, ids, ctx.max_model_len, ctx.vocab_size, req.logprobs,
+                          default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS) for ids in prompts]
     request_id = new_id("cmpl")
     gen = Generation(ctx.client, ctx.tokenizer, request_id, plans, ctx.metrics)
     echo = [_prompt_text(ctx, req, i, ids) for i, ids in enumerate(prompts)] if req.echo else None
@@ -71,7 +73,6 @@ async def _stream(
     first = [True] * len(gen.jobs)
     try:
         async for job, delta in gen.stream():
-            asm = job.assembler
             text = delta.text
             prefix_len = len(echo[job.prompt_index]) if echo else 0
             is_first = first[job.index]
@@ -82,8 +83,7 @@ async def _stream(
                 continue  # nothing a client could see (e.g. a held-back partial character)
             logprobs = None
             if job.params.logprobs is not None and delta.logprobs is not None:
-                offset = prefix_len + len(asm.text) - len(delta.text)
-                logprobs = completion_logprobs_json(delta.logprobs, offset)
+                logprobs = completion_logprobs_json(delta.logprobs, prefix_len)
             choice = CompletionChoice(job.index, text, logprobs, delta.finish_reason, delta.stop_reason)
             if req.return_token_ids:
                 choice.token_ids = delta.token_ids

@@ -2,9 +2,9 @@
 
 An API request has one or more prompts and ``n`` choices per prompt; each choice is one engine
 request (``f"{request_id}-{index}"``). ``Generation.stream()`` yields ``(job, ChoiceDelta)`` as
-deltas arrive, in arrival order. A stop-string match aborts that engine request at once (its KV
-blocks free immediately); a consumer that stops early (a client disconnect cancels it) aborts
-every unfinished engine request. Shared by the HTTP server and the offline ``LLM``.
+deltas arrive, in arrival order. A stop-string match aborts that engine request at once, by
+closing its stream (its KV blocks free immediately); a consumer that stops early (a client
+disconnect cancels it) aborts every unfinished engine request. Shared by the HTTP server and the offline ``LLM``.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class Generation:
         for p_idx, plan in enumerate(plans):
             for params in plan.params:
                 index = len(self.jobs)
-                asm = ChoiceAssembler(tokenizer, index, plan.stop, plan.include_stop_str_in_output, plan.skip_special_tokens)
+                asm = ChoiceAssembler(tokenizer, index, plan.stop, plan.include_stop_str_in_output,
+                                      plan.skip_special_tokens, plan.prompt_token_ids)
                 self.jobs.append(ChoiceJob(index, f"{request_id}-{index}", p_idx, plan.prompt_token_ids, params, asm))
 
     @property
@@ -119,10 +120,10 @@ class Generation:
                 delta = self._apply(job, out)
                 yield job, delta
                 if delta.finish_reason is not None:
-                    if delta.stopped_by_string:
-                        await self.client.abort([job.engine_id])
                     break
         finally:
+            # After a stop-string match the engine request is still live: closing its stream
+            # aborts it (EngineClient.generate sends the one Abort from its ``finally``).
             await agen.aclose()
 
     def _apply(self, job: ChoiceJob, out: RequestOutput) -> ChoiceDelta:

@@ -22,6 +22,8 @@ class _SamplingFields(Struct, kw_only=True):
     """Sampling fields shared by /v1/completions and /v1/chat/completions (vLLM's extensions too)."""
 
     model: str | None = None
+    # None: the endpoint's default, as OpenAI and vLLM: 16 for /v1/completions, the rest of the
+    # context for /v1/chat/completions.
     max_tokens: int | None = None
     n: int = 1
     temperature: float = 1.0
@@ -43,6 +45,10 @@ class _SamplingFields(Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    # OpenAI fields evenflow does not implement: declared so that a non-default value is a 400
+    # (``prepare.check_unsupported``) instead of being ignored.
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -51,6 +57,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[Any]
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None  # unsupported (400 when non-empty)
+    best_of: int | None = None  # unsupported (400 when > n)
 
 
 class ChatMessage(Struct, kw_only=True):
@@ -66,6 +74,11 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool and function calling are unsupported (400 unless absent, empty or "none").
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
 
 
 class TokenizeRequest(Struct, kw_only=True):

@@ -2,12 +2,15 @@
 
 Pure functions (no sockets, no event loop) so every validation rule is unit-tested directly.
 Each rule that rejects a request raises ``APIError(400)`` naming the field and the numbers.
+The ``*_async`` variants run tokenization and template rendering of a large input in a worker
+thread: the event loop also keeps the engine link alive (heartbeats), so it must not stall.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import msgspec
 
@@ -21,6 +24,20 @@ from .openai import ChatCompletionRequest, ChatMessage, _SamplingFields
 MAX_N = 128
 MAX_STOP_STRINGS = 32
 PROMPT_FORMS = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
+# Inputs above this many characters are tokenized/rendered off the event loop (a thread hop costs
+# ~50 us, tokenizing 2000 characters about as much; a 1 MB prompt would stall the loop for ~0.1 s).
+OFF_LOOP_CHARS = 2000
+CHARS_PER_TOKEN = 4  # for sizing token-id inputs against OFF_LOOP_CHARS
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+T = TypeVar("T")
+
+
+async def off_loop_if_large(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, in a worker thread when ``size`` (characters) exceeds OFF_LOOP_CHARS."""
+    if size > OFF_LOOP_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 @dataclass
@@ -52,6 +69,25 @@ def completion_prompts(prompt: str | list[Any], tokenizer: Tokenizer) -> list[li
     raise bad_request(PROMPT_FORMS, "prompt")
 
 
+async def completion_prompts_async(prompt: str | list[Any], tokenizer: Tokenizer) -> list[list[int]]:
+    """``completion_prompts``, off the event loop for a large prompt."""
+    return await off_loop_if_large(_prompt_size(prompt), completion_prompts, prompt, tokenizer)
+
+
+def _prompt_size(prompt: str | list[Any]) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    size = 0
+    for p in prompt:
+        if isinstance(p, str):
+            size += len(p)
+        elif isinstance(p, list):
+            size += len(p) * CHARS_PER_TOKEN
+        else:
+            size += CHARS_PER_TOKEN
+    return size
+
+
 def _checked_ids(ids: list[int], vocab_size: int) -> list[int]:
     for t in ids:
         if not 0 <= t < vocab_size:
@@ -71,11 +107,54 @@ def chat_prompt(req: ChatCompletionRequest | Any, tokenizer: Tokenizer, messages
             add_generation_prompt=getattr(req, "add_generation_prompt", True),
             bos_token=tokenizer.bos_token,
             eos_token=tokenizer.eos_token,
-            **(getattr(req, "chat_template_kwargs", None) or {}),
+            extra_context=getattr(req, "chat_template_kwargs", None),
         )
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def chat_prompt_async(req: ChatCompletionRequest | Any, tokenizer: Tokenizer,
+                            messages: list[ChatMessage]) -> list[int]:
+    """``chat_prompt``, off the event loop when the messages are large."""
+    size = sum(_content_size(m.content) for m in messages)
+    return await off_loop_if_large(size, chat_prompt, req, tokenizer, messages)
+
+
+def _content_size(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(str(part.get("text", ""))) if isinstance(part, dict) else 0 for part in content)
+    return 0
+
+
+def check_unsupported(req: Any) -> None:
+    """A 400 naming the field for OpenAI options evenflow does not implement, when the request
+    sets them to anything but their no-op value (silently ignoring them would change results)."""
+    def refuse(field: str) -> None:
+        raise bad_request(f"{field} is not supported by evenflow", field)
+
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None and response_format.get("type", "text") != "text":
+        refuse("response_format")
+    if getattr(req, "logit_bias", None):
+        refuse("logit_bias")
+    if getattr(req, "tools", None):
+        refuse("tools")
+    if getattr(req, "tool_choice", None) not in (None, "none"):
+        refuse("tool_choice")
+    if getattr(req, "functions", None):
+        refuse("functions")
+    if getattr(req, "function_call", None) not in (None, "none"):
+        refuse("function_call")
+    if getattr(req, "suffix", None):
+        refuse("suffix")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of > getattr(req, "n", 1):
+        refuse("best_of")
+    if getattr(req, "echo", False) and getattr(req, "logprobs", None) is not None:
+        raise bad_request("echo with logprobs needs prompt logprobs, which evenflow does not compute yet", "echo")
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -94,8 +173,13 @@ def plan_choices(
     vocab_size: int,
     logprobs: int | None,
     max_tokens: int | None = None,
+    default_max_tokens: int | None = None,
 ) -> ChoicePlan:
-    """SamplingParams for each of ``req.n`` choices, after every length and range check."""
+    """SamplingParams for each of ``req.n`` choices, after every length and range check.
+
+    Without ``max_tokens`` (or ``req.max_tokens``), a choice gets ``default_max_tokens`` capped to
+    the room left in the context, or all that room when ``default_max_tokens`` is None.
+    """
     if not prompt_ids:
         raise bad_request("the prompt is empty (0 tokens)", "prompt")
     if not 1 <= req.n <= MAX_N:
@@ -110,7 +194,8 @@ def plan_choices(
             "prompt",
         )
     if max_tokens is None:
-        max_tokens = max_model_len - prompt_len  # vLLM's default: whatever room is left
+        room = max_model_len - prompt_len  # vLLM's chat default: whatever room is left
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     elif prompt_len + max_tokens > max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "

@@ -29,7 +29,7 @@ from .completions import create_completion
 from .context import ServingContext, decode_body
 from .errors import APIError, bad_request
 from .openai import DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, encode_json
-from .prepare import chat_prompt
+from .prepare import CHARS_PER_TOKEN, chat_prompt_async, off_loop_if_large
 from .sse import ClientDisconnected
 
 logger = logging.getLogger("evenflow.frontend")
@@ -116,9 +116,9 @@ async def _tokenize(ctx: ServingContext, request: Request) -> Response:
     req: TokenizeRequest = decode_body(await request.body(), TokenizeRequest)
     ctx.check_model(req.model)
     if req.messages is not None:
-        ids = chat_prompt(req, ctx.tokenizer, req.messages)
+        ids = await chat_prompt_async(req, ctx.tokenizer, req.messages)
     elif req.prompt is not None:
-        ids = ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = await off_loop_if_large(len(req.prompt), ctx.tokenizer.encode, req.prompt, req.add_special_tokens)
     else:
         raise bad_request("give either prompt or messages", "prompt")
     return _json(TokenizeResponse(ids, len(ids), ctx.max_model_len))
@@ -127,10 +127,15 @@ async def _tokenize(ctx: ServingContext, request: Request) -> Response:
 async def _detokenize(ctx: ServingContext, request: Request) -> Response:
     req: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)
     ctx.check_model(req.model)
-    bad = next((t for t in req.tokens if not 0 <= t < ctx.tokenizer.vocab_size), None)
+    text = await off_loop_if_large(len(req.tokens) * CHARS_PER_TOKEN, _checked_decode, ctx.tokenizer, req.tokens)
+    return _json(DetokenizeResponse(text))
+
+
+def _checked_decode(tokenizer: Tokenizer, tokens: list[int]) -> str:
+    bad = next((t for t in tokens if not 0 <= t < tokenizer.vocab_size), None)
     if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary [0, {ctx.tokenizer.vocab_size})", "tokens")
-    return _json(DetokenizeResponse(ctx.tokenizer.decode(req.tokens)))
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})", "tokens")
+    return tokenizer.decode(tokens)
 
 
 async def _refresh_engine_stats(ctx: ServingContext, timeout: float) -> None:

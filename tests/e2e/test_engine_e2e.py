@@ -316,3 +316,18 @@ def test_client_whose_loop_stalled_is_dropped_then_recovers(engine: EngineProces
         await client.close()
 
     asyncio.run(main())
+
+
+def test_listen_address_in_use_is_a_clear_start_up_error(tiny_llama: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "evenflow.core", "--model", str(tiny_llama), "--listen",
+                               f"tcp://127.0.0.1:{port}", *BASE_FLAGS, "--num-kv-blocks", "64"],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "start-up failed" in proc.stderr and "Address already in use" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -134,6 +134,8 @@ def test_multipart_message_is_refused(peer: Peer) -> None:
     (AddRequest("r", [1], SamplingParams(top_p=0.0)), "top_p"),
     (AddRequest("r", [1] * 60, SamplingParams(max_tokens=10)), "70"),  # names both 60 and 10 too
     (AddRequest("", [1]), "request_id"),
+    (AddRequest("r", [1], arrival_time=float("nan")), "arrival_time"),
+    (AddRequest("r", [1], SamplingParams(temperature=float("inf"))), "temperature"),
 ])
 def test_invalid_requests_are_refused_with_their_id(peer: Peer, link: FrontendLink, request_: AddRequest,
                                                     fragment: str) -> None:

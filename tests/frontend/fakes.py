@@ -21,7 +21,8 @@ class FakeEngineClient:
         self.step_delay = step_delay
         self.ready: Ready | None = None
         self.stats: SchedulerStats | None = SchedulerStats()
-        self.aborted: list[str] = []
+        self.aborted: list[str] = []  # requests aborted while live (deduplicated)
+        self.abort_messages: list[str] = []  # every Abort a real EngineClient would send, duplicates kept
         self.live: set[str] = set()
         self.submitted: list[tuple[str, list[int], SamplingParams, int]] = []
 
@@ -34,6 +35,7 @@ class FakeEngineClient:
         self.submitted.append((request_id, list(prompt_token_ids), sampling_params, priority))
         self.live.add(request_id)
         produced = 0
+        finished = False
         try:
             while produced < sampling_params.max_tokens:
                 await asyncio.sleep(self.step_delay)
@@ -44,15 +46,18 @@ class FakeEngineClient:
                 if sampling_params.logprobs is not None:
                     lps = [TokenLogprobs([t, *range(10, 10 + sampling_params.logprobs)],
                                          [-0.5, *[-1.0 - j for j in range(sampling_params.logprobs)]], 1) for t in ids]
-                done = produced >= sampling_params.max_tokens
-                yield RequestOutput(request_id, ids, "length" if done else None, 0, lps)
+                finished = produced >= sampling_params.max_tokens
+                yield RequestOutput(request_id, ids, "length" if finished else None, 0, lps)
         finally:
+            if not finished:  # as EngineClient.generate: closing an unfinished stream sends an Abort
+                self.abort_messages.append(request_id)
             if request_id in self.live:
                 self.live.discard(request_id)
                 if produced < sampling_params.max_tokens:
                     self.aborted.append(request_id)
 
     async def abort(self, request_ids: list[str]) -> None:
+        self.abort_messages.extend(request_ids)
         for rid in request_ids:
             if rid in self.live:
                 self.aborted.append(rid)

@@ -65,28 +65,105 @@ def test_streaming_with_stop_string_and_usage(http: TestClient, fake: FakeEngine
     assert finals == [{**finals[0], "finish_reason": "stop", "stop_reason": "STOP"}]
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] < 40
     assert fake.aborted == [fake.submitted[0][0]]  # the engine request was aborted at the match
+    assert fake.abort_messages == [fake.submitted[0][0]]  # by exactly one Abort (closing its stream)
 
 
-def test_n_choices_echo_and_logprobs(http: TestClient, fake: FakeEngineClient) -> None:
-    r = http.post("/v1/completions", json={"prompt": ["ab", "cd"], "n": 2, "max_tokens": 3, "echo": True, "logprobs": 2,
-                                           "seed": 5})
+def test_n_choices_echo_and_logprobs(http: TestClient, fake: FakeEngineClient, demo_tokenizer: Tokenizer) -> None:
+    r = http.post("/v1/completions", json={"prompt": ["ab", "cd"], "n": 2, "max_tokens": 3, "echo": True, "seed": 5})
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
-    assert body["choices"][0]["text"].startswith("ab") and body["choices"][3]["text"].startswith("cd")
-    lp = body["choices"][0]["logprobs"]
-    assert len(lp["tokens"]) == 3 and len(lp["top_logprobs"][0]) >= 2 and lp["text_offset"][0] == 2
+    out = demo_tokenizer.decode(fake.script[:3])
+    assert body["choices"][0]["text"] == "ab" + out and body["choices"][3]["text"] == "cd" + out
+    assert all(c["logprobs"] is None for c in body["choices"])
     assert [s[2].seed for s in fake.submitted] == [5, 6, 5, 6]
+    streamed = _events(http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "echo": True, "stream": True}))
+    assert "".join(c["text"] for e in streamed for c in e["choices"]) == "ab" + out
+
+    r = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "logprobs": 2})
+    [choice] = r.json()["choices"]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == 3 and len(lp["top_logprobs"][0]) >= 2 and lp["text_offset"][0] == 0
+    # Each token's text starts at its offset (the fake's tokens are whole characters here).
+    assert [choice["text"][o:o + len(t)] for o, t in zip(lp["text_offset"], lp["tokens"])] == lp["tokens"]
+
+
+def test_echo_with_logprobs_is_refused(http: TestClient) -> None:
+    r = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "echo": True, "logprobs": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    assert "prompt logprobs" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/completions", "response_format", {"type": "json_schema", "json_schema": {}}),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/completions", "logit_bias", {"50256": -100}),
+    ("/v1/chat/completions", "logit_bias", {"1": 5}),
+    ("/v1/completions", "suffix", "tail"),
+    ("/v1/completions", "best_of", 3),
+])
+def test_unsupported_openai_fields_are_400(http: TestClient, fake: FakeEngineClient, path: str, field: str,
+                                           value: object) -> None:
+    body: dict = {"max_tokens": 2, field: value}
+    body.update({"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]})
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["message"] == f"{field} is not supported by evenflow"
+    assert err["type"] == "BadRequestError" and not fake.submitted
+
+
+@pytest.mark.parametrize("path,extra", [
+    ("/v1/chat/completions", {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+                              "functions": [], "logit_bias": {}}),
+    ("/v1/completions", {"suffix": "", "best_of": 1, "logit_bias": {}, "response_format": None}),
+])
+def test_no_op_values_of_unsupported_fields_are_accepted(http: TestClient, path: str, extra: dict) -> None:
+    body: dict = {"max_tokens": 2, **extra}
+    body.update({"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]})
+    assert http.post(path, json=body).status_code == 200
+
+
+def test_default_max_tokens_is_16_for_completions_and_the_rest_for_chat(http: TestClient,
+                                                                        fake: FakeEngineClient) -> None:
+    r = http.post("/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+    assert fake.submitted[-1][2].max_tokens == 16
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
+    prompt_len = len(fake.submitted[-1][1])
+    assert fake.submitted[-1][2].max_tokens == fake.max_model_len - prompt_len
+
+
+def test_chat_template_kwargs_cannot_break_the_request(http: TestClient) -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    for kwargs in ({"messages": "x"}, {"add_generation_prompt": False}, {"bos_token": "B"}, {"template": 1},
+                   {"extra_flag": True}):
+        r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "chat_template_kwargs": kwargs,
+                                                    "return_token_ids": True})
+        assert r.status_code == 200, (kwargs, r.text)
+    ref = http.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+    r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "return_token_ids": True,
+                                                "chat_template_kwargs": {"messages": [], "bos_token": "B"}})
+    assert r.json()["prompt_token_ids"] == ref  # the fixed variables win
 
 
 def test_chat_streaming_n2(http: TestClient) -> None:
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 5,
                                                 "stream": True, "logprobs": True, "top_logprobs": 1})
     events = _events(r)
-    assert [c["delta"] for c in events[0]["choices"]] == [{"role": "assistant", "content": ""}] * 2
+    # One role chunk per choice, each with a single choice, as OpenAI and vLLM send them.
+    assert [e["choices"] for e in events[:2]] == [
+        [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
+          "stop_reason": None}] for i in (0, 1)]
+    assert all(len(e["choices"]) == 1 for e in events)
     for i in (0, 1):
-        text = "".join(c["delta"].get("content", "") for e in events[1:] for c in e["choices"] if c["index"] == i)
+        text = "".join(c["delta"].get("content", "") for e in events[2:] for c in e["choices"] if c["index"] == i)
         assert text == TEXT[:len(text)] and len(text) > 5
-        assert sum(len(c["logprobs"]["content"]) for e in events[1:] for c in e["choices"] if c["index"] == i) == 5
+        assert sum(len(c["logprobs"]["content"]) for e in events[2:] for c in e["choices"] if c["index"] == i) == 5
 
 
 def test_errors(http: TestClient) -> None:
@@ -109,6 +186,11 @@ def test_tokenize_detokenize(http: TestClient, demo_tokenizer: Tokenizer) -> Non
     assert r["tokens"] == demo_tokenizer.encode("def f():") and r["count"] == len(r["tokens"])
     assert http.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "def f():"
     assert http.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
+    big = "def f(x):\n    return x * 2  # é€\n" * 200  # large: tokenized and decoded off the event loop
+    ids = http.post("/tokenize", json={"prompt": big, "add_special_tokens": False}).json()["tokens"]
+    assert ids == demo_tokenizer.encode(big, add_special_tokens=False)
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == big
+    assert http.post("/detokenize", json={"tokens": ids + [10**6]}).json()["error"]["param"] == "tokens"
 
 
 def test_api_key(demo_model_dir: Path, fake: FakeEngineClient) -> None:

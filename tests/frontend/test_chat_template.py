@@ -44,3 +44,17 @@ def test_template_file_overrides_the_model(demo_model_dir: Path, tmp_path: Path)
     tok = Tokenizer.from_dir(demo_model_dir, chat_template=f)
     assert render_chat(tok.chat_template, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "a|b|"
     assert "<|im_start|>" in (Tokenizer.from_dir(demo_model_dir).chat_template or "")
+
+
+def test_user_kwargs_never_override_the_fixed_variables() -> None:
+    t = "{{ bos_token }}|{{ messages | length }}|{{ add_generation_prompt }}|{{ eos_token }}|{{ flavour }}"
+    extra = {"messages": [], "add_generation_prompt": False, "bos_token": "X", "eos_token": "Y", "template": "t",
+             "flavour": "mint"}
+    assert render_chat(t, [{"role": "user", "content": "a"}], True, "<s>", "</s>", extra) == "<s>|1|True|</s>|mint"
+
+
+@pytest.mark.parametrize("template", ["{{ messages[0].content + 1 }}", "{{ messages[0].content.encode('x') }}",
+                                      "{{ (1 / zero) if true }}"])
+def test_any_template_exception_is_a_chat_template_error(template: str) -> None:
+    with pytest.raises(ChatTemplateError, match="the chat template failed on these messages: .*Error"):
+        render_chat(template, [{"role": "user", "content": "a"}], extra_context={"zero": 0})

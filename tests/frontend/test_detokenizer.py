@@ -93,3 +93,62 @@ def test_random_byte_fallback_sequences_stream_exactly(ids: list[int], chunks: l
 def test_round_trip_of_real_text(demo_tokenizer: Tokenizer, text: str) -> None:
     ids = demo_tokenizer.encode(text, add_special_tokens=False)
     assert _stream(demo_tokenizer, ids, [1]) == text
+
+
+def _stream_after(tok: Tokenizer, prompt: list[int], ids: list[int], chunks: list[int]) -> str:
+    detok = IncrementalDetokenizer(tok, prompt_token_ids=prompt)
+    out, i, c = [], 0, 0
+    while i < len(ids):
+        step = max(1, chunks[c % len(chunks)]) if chunks else 1
+        out.append(detok.push(ids[i:i + step]))
+        i += step
+        c += 1
+    out.append(detok.flush())
+    assert detok.token_ids == ids  # output ids only: the prompt context is not part of them
+    return "".join(out)
+
+
+def _reference_after(tok: Tokenizer, prompt: list[int], ids: list[int]) -> str:
+    """What vLLM returns: the text the output adds to the prompt's text."""
+    return tok.hf.decode(prompt + ids, skip_special_tokens=True)[len(tok.hf.decode(prompt, skip_special_tokens=True)):]
+
+
+def test_first_word_keeps_its_leading_space_after_a_metaspace_prompt() -> None:
+    vocab = BYTE_FALLBACK.hf.get_vocab()
+    prompt = BYTE_FALLBACK.encode("the")
+    out = [vocab["▁ab"], vocab["▁b"]]
+    assert _reference_after(BYTE_FALLBACK, prompt, out) == " ab b"
+    assert _stream_after(BYTE_FALLBACK, prompt, out, [1]) == " ab b"
+    assert _stream_after(BYTE_FALLBACK, BYTE_FALLBACK.encode("a b a b a b the"), out, [2]) == " ab b"
+    assert _stream_after(BYTE_FALLBACK, [], out, [1]) == "ab b"  # no prompt: decode(output) as before
+
+
+_METASPACE_TEXT = st.text(alphabet="ab é€の😀x日\n", max_size=24)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt_text=_METASPACE_TEXT, ids=st.lists(st.integers(0, len(BYTE_FALLBACK.hf.get_vocab()) - 1), max_size=30),
+       chunks=st.lists(st.integers(1, 4), max_size=6))
+def test_metaspace_stream_after_a_prompt_matches_decode_of_prompt_plus_output(
+        prompt_text: str, ids: list[int], chunks: list[int]) -> None:
+    prompt = BYTE_FALLBACK.encode(prompt_text)
+    # A prompt ending inside a run of <0xNN> tokens that the output continues rewrites the
+    # prompt's own text (the run decodes as one group), so the reference slice is meaningless.
+    if prompt[-1] in BYTE_FALLBACK.byte_fallback_ids:
+        prompt = prompt + BYTE_FALLBACK.encode("x", add_special_tokens=False)
+    assert _stream_after(BYTE_FALLBACK, prompt, ids, chunks) == _reference_after(BYTE_FALLBACK, prompt, ids)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt_text=st.text(max_size=30), ids=st.lists(st.integers(0, 8191), max_size=30),
+       chunks=st.lists(st.integers(1, 4), max_size=6))
+def test_byte_level_stream_after_a_prompt_matches_decode_of_prompt_plus_output(
+        demo_tokenizer: Tokenizer, prompt_text: str, ids: list[int], chunks: list[int]) -> None:
+    prompt = demo_tokenizer.encode(prompt_text)
+    assert _stream_after(demo_tokenizer, prompt, ids, chunks) == _reference_after(demo_tokenizer, prompt, ids)
+
+
+def test_prompt_ending_inside_a_character_streams_by_length(demo_tokenizer: Tokenizer) -> None:
+    euro = demo_tokenizer.encode("€", add_special_tokens=False)
+    prompt, out = demo_tokenizer.encode("x") + euro[:2], euro[2:] + demo_tokenizer.encode(" ok", add_special_tokens=False)
+    assert _stream_after(demo_tokenizer, prompt, out, [1]) == _reference_after(demo_tokenizer, prompt, out)

@@ -90,3 +90,40 @@ def test_logprobs_formats(demo_tokenizer: Tokenizer) -> None:
     chat = chat_logprobs_json(entries, top_n=1)
     assert chat["content"][0]["token"] == "def" and chat["content"][0]["bytes"] == list(b"def")
     assert chat["content"][0]["top_logprobs"] == [{"token": " x", "logprob": -0.5, "bytes": list(b" x")}]
+
+
+def _lps(ids: list[int]) -> list[TokenLogprobs]:
+    return [TokenLogprobs([t], [-0.25], 1) for t in ids]
+
+
+def test_logprob_tokens_and_offsets_follow_the_real_text_metaspace() -> None:
+    from .test_detokenizer import BYTE_FALLBACK as tok
+
+    vocab = tok.hf.get_vocab()
+    out = [vocab["▁ab"], vocab["▁b"], vocab["<0xE6>"], vocab["<0x97>"], vocab["<0xA5>"], vocab["x"]]
+    asm = ChoiceAssembler(tok, prompt_token_ids=tok.encode("the"))
+    asm.update(RequestOutput("r", out[:4], logprobs=_lps(out[:4])))
+    asm.update(RequestOutput("r", out[4:], "length", logprobs=_lps(out[4:])))
+    assert asm.text == " ab b日x"
+    assert [e.token for e in asm.logprobs] == [" ab", " b", "\ufffd", "\ufffd", "\ufffd", "x"]
+    # The three bytes of 日 share its offset; "x" starts after the one character they make.
+    assert [e.text_offset for e in asm.logprobs] == [0, 3, 5, 5, 5, 6]
+    assert completion_logprobs_json(asm.logprobs)["text_offset"] == [0, 3, 5, 5, 5, 6]
+    assert tok.token_string(vocab["<0x0A>"]) == "\n" and tok.token_string(vocab["▁"]) == " "
+    assert tok.token_string(vocab["<s>"]) == "<s>"
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(max_size=40), cut=st.integers(1, 4))
+def test_logprob_offsets_index_each_tokens_text_byte_level(demo_tokenizer: Tokenizer, text: str, cut: int) -> None:
+    ids = demo_tokenizer.encode(text, add_special_tokens=False)
+    asm = ChoiceAssembler(demo_tokenizer, prompt_token_ids=demo_tokenizer.encode("say:"))
+    for i in range(0, len(ids), cut):
+        chunk = ids[i:i + cut]
+        asm.update(RequestOutput("r", chunk, "length" if i + cut >= len(ids) else None, logprobs=_lps(chunk)))
+    assert asm.text == text
+    offsets = [e.text_offset for e in asm.logprobs]
+    assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets)
+    for e, start, end in zip(asm.logprobs, offsets, offsets[1:] + [len(text)]):
+        if "\ufffd" not in e.token:  # a whole-character token: its string is exactly its text
+            assert text[start:end] == e.token

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import msgspec
 import pytest
 
 from evenflow.frontend.api.context import decode_body
 from evenflow.frontend.api.errors import APIError
 from evenflow.frontend.api.openai import ChatCompletionRequest, CompletionRequest
-from evenflow.frontend.api.prepare import chat_logprobs, chat_prompt, check_model, completion_prompts, plan_choices
+from evenflow.frontend.api.prepare import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS, OFF_LOOP_CHARS, chat_logprobs, chat_prompt, chat_prompt_async, check_model,
+    completion_prompts, completion_prompts_async, plan_choices,
+)
 from evenflow.frontend.tokenizer import Tokenizer
 
 
@@ -61,7 +67,13 @@ def test_wrong_type_names_the_field() -> None:
 
 def test_max_tokens_default_and_limit() -> None:
     plan = plan_choices(_req(), list(range(10)), max_model_len=100, vocab_size=256, logprobs=None)
-    assert plan.params[0].max_tokens == 90  # vLLM: the room left
+    assert plan.params[0].max_tokens == 90  # chat, as vLLM: the room left
+    plan = plan_choices(_req(), list(range(10)), 100, 256, None, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+    assert plan.params[0].max_tokens == 16  # completions, as OpenAI and vLLM
+    plan = plan_choices(_req(), list(range(90)), 100, 256, None, default_max_tokens=16)
+    assert plan.params[0].max_tokens == 10  # the default never overflows the context
+    plan = plan_choices(_req(max_tokens=40), list(range(10)), 100, 256, None, default_max_tokens=16)
+    assert plan.params[0].max_tokens == 40
     with _raises(400, "maximum context length is 100", "requested 101 tokens", "91 for the completion", "max_tokens"):
         plan_choices(_req(max_tokens=91), list(range(10)), max_model_len=100, vocab_size=256, logprobs=None)
     with _raises(400, "100 tokens", "100 tokens"):
@@ -105,3 +117,55 @@ def test_unknown_model_is_404() -> None:
     check_model("demo", {"demo"})
     with _raises(404, "nope"):
         check_model("nope", {"demo"})
+
+
+def test_chat_template_kwargs_collisions_and_template_errors_are_400(demo_tokenizer: Tokenizer) -> None:
+    def req(kwargs: dict) -> ChatCompletionRequest:
+        return msgspec.convert({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs},
+                               ChatCompletionRequest)
+
+    plain = chat_prompt(req({}), demo_tokenizer, req({}).messages)
+    for kwargs in ({"messages": 5}, {"add_generation_prompt": False}, {"bos_token": "X"}, {"eos_token": None},
+                   {"template": "x", "extra_context": 1}):
+        r = req(kwargs)
+        assert chat_prompt(r, demo_tokenizer, r.messages) == plain  # fixed variables win, no TypeError
+    broken = Tokenizer(demo_tokenizer.hf, "<s>", "</s>", True, chat_template="{{ messages[0].content + 1 }}")
+    with _raises(400, "messages", "the chat template failed", "TypeError"):
+        chat_prompt(req({}), broken, req({}).messages)
+
+
+class _ThreadRecordingTokenizer(Tokenizer):
+    """Records the thread each encode runs on."""
+
+    def __init__(self, base: Tokenizer) -> None:
+        super().__init__(base.hf, base.bos_token, base.eos_token, base.add_bos_token, base.chat_template)
+        self.threads: list[threading.Thread] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.threads.append(threading.current_thread())
+        return super().encode(text, add_special_tokens)
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        self.threads.append(threading.current_thread())
+        return super().encode_batch(texts, add_special_tokens)
+
+
+def test_large_inputs_are_tokenized_off_the_event_loop(demo_tokenizer: Tokenizer) -> None:
+    tok = _ThreadRecordingTokenizer(demo_tokenizer)
+    big = "word " * (OFF_LOOP_CHARS // 5 + 10)
+
+    def chat(content: str) -> ChatCompletionRequest:
+        return msgspec.convert({"messages": [{"role": "user", "content": content}]}, ChatCompletionRequest)
+
+    async def main() -> list[bool]:
+        loop_thread = threading.current_thread()
+        small_req, big_req = chat("hi"), chat(big)
+        assert await completion_prompts_async("hi", tok) == completion_prompts("hi", tok)
+        assert await completion_prompts_async(big, tok) == completion_prompts(big, tok)
+        assert await completion_prompts_async(["a", big], tok) == completion_prompts(["a", big], tok)
+        assert await chat_prompt_async(small_req, tok, small_req.messages) == chat_prompt(small_req, tok, small_req.messages)
+        assert await chat_prompt_async(big_req, tok, big_req.messages) == chat_prompt(big_req, tok, big_req.messages)
+        # Each call was followed by its synchronous reference (on the loop's thread).
+        return [t is loop_thread for t in tok.threads[0::2]]
+
+    assert asyncio.run(main()) == [True, False, False, True, False]

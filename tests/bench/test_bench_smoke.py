@@ -1,0 +1,183 @@
+"""Smoke tests of the benchmark scripts: their arithmetic, and each script end to end against a fake
+OpenAI-compatible server (tests/bench/fake_openai_server.py), a few seconds each, no model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+# scripts/ is on sys.path: tests/bench/conftest.py puts it there before this module is collected.
+import bench_serving
+import pytest
+from _bench_capacity import Probe, search_capacity
+from _bench_client import RequestRecord
+from _bench_metrics import MetricsSnapshot, engine_numbers, parse_prometheus
+from _bench_server import ServerConfig, evenflow_argv, peer_problem, vllm_argv
+from _bench_stats import SLO, request_gaps, run_stats
+from _bench_workload import (
+    LengthDist,
+    add_workload_args,
+    fit_lengths,
+    poisson_schedule,
+    replay_schedule,
+    workload_from_args,
+)
+
+from tests.bench.conftest import fake_server_cmd, run_script
+
+
+def _record(kind: str, start: float, times: list[float]) -> RequestRecord:
+    return RequestRecord(kind, 8, len(times), start, list(times), len(times), times[-1] if times else start, bool(times))
+
+
+def test_gaps_never_straddle_two_requests() -> None:
+    recs = [_record("a", 0.0, [1.0, 1.1, 1.4]), _record("b", 0.0, [0.5]), _record("a", 0.2, [2.0, 2.05])]
+    gaps, worst = request_gaps(recs)
+    assert sorted(round(g, 3) for g in gaps) == [0.05, 0.1, 0.3]
+    assert [round(w, 3) for w in worst] == [0.3, 0.0, 0.05]
+
+
+def test_run_stats_groups_and_goodput() -> None:
+    recs = [_record("steady", 0.0, [0.1, 0.2, 0.3]), _record("long", 0.0, [1.0, 1.5])]
+    stats = run_stats(recs, SLO(ttft_ms=500.0))
+    assert set(stats.groups) == {"all", "steady", "long"}
+    assert stats.duration_s == pytest.approx(1.5)
+    assert stats.groups["steady"].ttft.p50 == pytest.approx(100.0)
+    assert stats.groups["long"].itl.max == pytest.approx(500.0)
+    assert stats.groups["all"].goodput == pytest.approx(1 / 1.5)  # only the steady one met TTFT <= 500 ms
+    assert stats.groups["all"].output_tokens == 5
+
+
+def test_prometheus_both_prefixes_labels_summed() -> None:
+    text = (
+        "# HELP x\nevenflow:num_preemptions_total{model_name=\"m\"} 3\n"
+        'vllm:prefix_cache_hits_total{engine="0"} 10\nvllm:prefix_cache_hits_total{engine="1"} 5\n'
+        "vllm:kv_cache_usage_perc 0.25\nother_metric 9\n"
+    )
+    values = parse_prometheus(text)
+    assert values == {"num_preemptions_total": 3.0, "prefix_cache_hits_total": 15.0, "kv_cache_usage_perc": 0.25}
+    before = MetricsSnapshot({"iteration_tokens_total_sum": 100, "iteration_tokens_total_count": 10}, 0.0)
+    after = MetricsSnapshot({"iteration_tokens_total_sum": 400, "iteration_tokens_total_count": 20,
+                             "prefix_cache_hits_total": 4, "prefix_cache_queries_total": 8}, 2.0)
+    nums = engine_numbers(before, after, 0.5)
+    assert nums.tokens_per_step == pytest.approx(30.0)
+    assert nums.prefix_hit_rate == pytest.approx(0.5)
+    assert nums.preemptions is None
+
+
+def test_poisson_is_seeded_bounded_and_clipped() -> None:
+    dist = LengthDist(median=256, sigma=1.5, low=16, high=4096)
+    a = poisson_schedule(2.0, 1000, 30.0, dist, LengthDist(64, 0.0, 1, 512), seed=3)
+    b = poisson_schedule(2.0, 1000, 30.0, dist, LengthDist(64, 0.0, 1, 512), seed=3)
+    assert a == b and 30 < len(a) < 100  # ~60 arrivals in 30 s
+    assert all(16 <= p.prompt_len <= 4096 and p.output_len == 64 and p.arrival_s < 30 for p in a)
+    assert len(poisson_schedule(math.inf, 7, 1.0, dist, dist, seed=0)) == 7
+
+
+def test_replay_and_interference_schedules(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"prompt_len": 10, "output_len": 3, "arrival": 100.5}\n{"prompt_len": 20, "output_len": 4, "arrival": 100.0}\n')
+    planned = replay_schedule(trace, speed=2.0, num_requests=10, duration_s=60)
+    assert [(p.arrival_s, p.prompt_len) for p in planned] == [(0.0, 20), (0.25, 10)]
+    parser = argparse.ArgumentParser()
+    add_workload_args(parser)
+    args = parser.parse_args(["--duration", "12", "--long-interval", "5", "--long-first", "1"])
+    wl = workload_from_args(args, vocab_size=512)
+    assert [p.arrival_s for p in wl.schedule] == [1.0, 6.0, 11.0] and wl.steady and wl.steady.count == 8
+    notes = fit_lengths(args, max_model_len=2048)  # defaults: 2048 + 16 long, 4096 + 512 poisson
+    assert args.long_prompt_len == 2032 and args.prompt_len_range == "16:1536" and len(notes) == 2
+
+
+def test_capacity_search_brackets_the_threshold() -> None:
+    cap = search_capacity(lambda r: Probe(r, r <= 3.3, 0, 0, 0), start_rate=0.5, max_rate=64, bisect_steps=5)
+    assert 3.0 <= cap.rate <= 3.3
+    assert [p.rate for p in cap.probes][:4] == [0.5, 1.0, 2.0, 4.0]
+
+
+def test_peer_problem_without_venv(tmp_path: Path) -> None:
+    assert "no peer venv" in (peer_problem(tmp_path / "nope") or "")
+
+
+def test_bench_serving_interference_on_fake_server(fake_server: str, tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    rc = bench_serving.main([
+        "--base-url", fake_server, "--workload", "interference", "--duration", "2", "--vocab-size", "512",
+        "--steady-streams", "3", "--steady-output-len", "24", "--long-prompt-len", "600",
+        "--long-output-len", "4", "--long-interval", "0.7", "--long-first", "0.2", "--slo-itl-ms", "500",
+        "--no-progress", "--save-requests", "--out", str(out),
+    ])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    groups = data["stats"]["groups"]
+    assert groups["long"]["completed"] == 3 and groups["steady"]["completed"] >= 3
+    assert groups["all"]["failed"] == 0
+    assert groups["steady"]["itl"]["count"] == groups["steady"]["output_tokens"] - groups["steady"]["completed"]
+    assert groups["all"]["goodput"] > 0
+    assert all(r["output_tokens"] == r["output_len"] for r in data["records"])
+    assert data["engine"]["steps"] > 0 and data["engine"]["preemptions"] == 0
+
+
+def test_bench_serving_poisson_on_fake_server(fake_server: str, tmp_path: Path) -> None:
+    rc = bench_serving.main([
+        "--base-url", fake_server, "--workload", "poisson", "--rate", "20", "--duration", "1",
+        "--vocab-size", "512", "--prompt-len-median", "64", "--output-len-median", "8",
+        "--shared-prefix-len", "16", "--no-progress", "--out", str(tmp_path / "p.json"),
+    ])
+    assert rc == 0
+    assert json.loads((tmp_path / "p.json").read_text())["stats"]["groups"]["all"]["completed"] > 5
+
+
+def test_sweep_budget_with_capacity(fake_model_dir: Path, tmp_path: Path) -> None:
+    out_dir = tmp_path / "sweep"
+    proc = run_script("sweep_budget.py", [
+        "--model-dir", str(fake_model_dir), "--server-cmd", fake_server_cmd(), "--budgets", "128,unchunked",
+        "--duration", "1.0", "--steady-streams", "2", "--steady-output-len", "16", "--long-prompt-len", "800",
+        "--long-interval", "0.5", "--long-first", "0.2", "--capacity", "--slo-itl-ms", "1000",
+        "--capacity-duration", "0.5", "--capacity-rate-start", "4", "--capacity-max-rate", "8",
+        "--capacity-iters", "1", "--prompt-len-median", "32", "--output-len-median", "4", "--no-progress",
+        "--out-dir", str(out_dir), "--log-dir", str(tmp_path / "logs"),
+    ])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    points = json.loads((out_dir / "sweep.json").read_text())["points"]
+    assert [p["label"] for p in points] == ["128", "unchunked"] and points[1]["budget"] == 2048
+    assert all(p["capacity"]["rate"] == 8 for p in points)  # the fake server meets a 1 s SLO at 8 req/s
+    assert (out_dir / "sweep.png").stat().st_size > 10_000
+    assert "unchunked" in (out_dir / "sweep.txt").read_text()
+
+
+def test_bench_peer_side_by_side(fake_model_dir: Path, tmp_path: Path) -> None:
+    out_dir = tmp_path / "peer"
+    proc = run_script("bench_peer.py", [
+        "--model-dir", str(fake_model_dir), "--server-cmd", fake_server_cmd(),
+        "--peer-cmd", fake_server_cmd("--step-base-ms 6"), "--budgets", "256", "--workloads", "interference",
+        "--duration", "1.2", "--steady-streams", "2", "--steady-output-len", "16", "--long-prompt-len", "300",
+        "--long-first", "0.2", "--no-progress", "--out-dir", str(out_dir), "--log-dir", str(tmp_path / "logs"),
+    ])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    table = (out_dir / "peer.txt").read_text()
+    assert "evenflow" in table and "vllm" in table and "ITL max ms" in table
+    engines = [m["engine"] for m in json.loads((out_dir / "peer.json").read_text())["measurements"]]
+    assert engines == ["evenflow", "vllm"]
+
+
+def test_bench_peer_without_peer_runs_evenflow_alone(fake_model_dir: Path, tmp_path: Path) -> None:
+    proc = run_script("bench_peer.py", [
+        "--model-dir", str(fake_model_dir), "--server-cmd", fake_server_cmd(), "--peer-venv", str(tmp_path / "none"),
+        "--duration", "0.8", "--steady-streams", "1", "--steady-output-len", "8", "--long-prompt-len", "100",
+        "--long-first", "0.1", "--no-progress", "--out-dir", str(tmp_path / "p"), "--log-dir", str(tmp_path / "logs"),
+    ])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "cannot run here" in proc.stdout and "measuring evenflow alone" in proc.stdout
+
+
+def test_server_commands_match_across_engines(tmp_path: Path) -> None:
+    cfg = ServerConfig(model_dir=tmp_path, budget=None, max_model_len=2048, long_prefill_threshold=128)
+    ours, theirs = evenflow_argv(cfg, 8000), vllm_argv(cfg, 8001, tmp_path / "venv")
+    flag = lambda argv, name: argv[argv.index(name) + 1]  # noqa: E731
+    assert flag(ours, "--max-num-batched-tokens") == flag(theirs, "--max-num-batched-tokens") == "2048"
+    assert flag(ours, "--long-prefill-token-threshold") == "0" and "--no-enable-chunked-prefill" in theirs
+    small = ServerConfig(model_dir=tmp_path, budget=64, max_model_len=2048)
+    assert flag(evenflow_argv(small, 8000), "--max-num-seqs") == "64"
+    assert flag(vllm_argv(small, 8000, tmp_path), "--max-num-seqs") == "64"

@@ -4,9 +4,11 @@ One DEALER socket carries everything (see protocol/README.md). ``connect()`` doe
 handshake; ``generate()`` submits a request and yields its RequestOutputs as they stream back;
 a background task routes incoming frames to per-request queues, another sends a Heartbeat every
 second. If the engine is silent for ``DEAD_AFTER_S`` seconds, or says it is going away, every
-pending request fails with an EngineError carrying the engine's reason.
+pending request fails with an EngineError carrying the engine's reason; the client then says Hello
+again with backoff until an engine-core (the same or a restarted one) answers Ready, and serves
+again. Until then ``connected`` is False and new calls raise that error at once.
 
-``BlockingEngineClient`` wraps the same client for scripts: it runs its own event loop in a thread.
+``BlockingEngineClient`` (blocking_client.py) wraps the same client for synchronous code.
 """
 
 from __future__ import annotations
@@ -14,47 +16,47 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator
+from typing import Any, AsyncIterator
 
 import zmq
 import zmq.asyncio
 
 from evenflow.protocol import (
-    ERR_DUPLICATE_ID, ERR_NOT_READY, ERR_UNKNOWN_METHOD, PROTOCOL_VERSION, Abort, AddRequest, Codec,
-    DecodeError, EngineToFrontend, Error, Heartbeat, Hello, Outputs, Ready, RequestOutput, SamplingParams,
+    ERR_DUPLICATE_ID, ERR_INVALID_REQUEST, ERR_NOT_READY, ERR_UNKNOWN_METHOD, PROTOCOL_VERSION, Abort, AddRequest,
+    Codec, DecodeError, EngineToFrontend, Error, Heartbeat, Hello, Outputs, Ready, RequestOutput, SamplingParams,
     SchedulerStats, UtilityCall, UtilityResult,
 )
 
-log = logging.getLogger("evenflow.frontend.client")
+from .client_errors import ERR_CLOSED, ERR_CONNECT_TIMEOUT, ERR_ENGINE_DEAD, EngineError
 
-# Client-side error codes (the engine's own codes are in evenflow.protocol.messages).
-ERR_ENGINE_DEAD = "engine_dead"  # no frame from the engine for DEAD_AFTER_S
-ERR_CONNECT_TIMEOUT = "connect_timeout"
-ERR_CLOSED = "client_closed"
+# (BlockingEngineClient is importable from here too: see __getattr__ below.)
+__all__ = ["EngineClient", "EngineError", "ERR_CLOSED", "ERR_CONNECT_TIMEOUT", "ERR_ENGINE_DEAD"]
+
+log = logging.getLogger("evenflow.frontend.client")
 
 HEARTBEAT_S = 1.0
 DEAD_AFTER_S = 5.0
+RECONNECT_MIN_S = 0.5  # first re-Hello after a failure; doubles up to RECONNECT_MAX_S
+RECONNECT_MAX_S = 5.0
 
 
-class EngineError(Exception):
-    """An error from (or about) the engine. ``code`` is one of the protocol's error codes."""
+def __getattr__(name: str) -> Any:
+    # Lazy re-export: blocking_client imports this module, so a top-level import would be circular.
+    if name == "BlockingEngineClient":
+        from .blocking_client import BlockingEngineClient
 
-    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
-        super().__init__(f"[{code}] {message}")
-        self.code = code
-        self.message = message
-        self.request_id = request_id
+        return BlockingEngineClient
+    raise AttributeError(name)
 
 
 @dataclass
 class _Stream:
-    """One live request: its queue of deltas, and what is needed to resubmit it after a re-Hello."""
+    """One live request: its queue of deltas, and its encoded frame to resubmit after a re-Hello."""
 
     queue: asyncio.Queue[RequestOutput | EngineError]
-    request: AddRequest
+    frame: bytes
     got_output: bool = False
 
 
@@ -66,6 +68,8 @@ class EngineClient:
         self.client_name = client_name
         self.ready: Ready | None = None
         self.stats: SchedulerStats | None = None
+        self.rehellos = 0  # Hellos after the handshake: the engine forgot us, died or restarted
+        self.reconnects = 0  # times a Ready ended a failure (engine death, restart, fatal error)
         self._codec: Codec[EngineToFrontend] = Codec(EngineToFrontend)
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -74,8 +78,15 @@ class EngineClient:
         self._calls: dict[int, asyncio.Future[UtilityResult]] = {}
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
-        self._fatal: EngineError | None = None
+        self._fatal: EngineError | None = None  # set while failed; cleared by the next accepted Ready
+        self._dead_engine_id: str | None = None  # an engine that said it is going away: ignore its Ready
+        self._revived = asyncio.Event()
         self._last_rx = 0.0
+
+    @property
+    def connected(self) -> bool:
+        """True between a Ready and the next failure (engine death, fatal error, close)."""
+        return self.ready is not None and self._sock is not None and self._fatal is None
 
     async def connect(self, timeout: float = 30.0) -> Ready:
         """Handshake; raises EngineError on a version mismatch or when no Ready comes in time."""
@@ -107,23 +118,30 @@ class EngineClient:
                        priority: int = 0, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request; yield its deltas until one has ``finish_reason`` set.
 
-        Raises EngineError for an Error about this request or a fatal one. Stopping early
-        (``aclose()``, ``break``, cancellation) aborts the request in the engine.
+        Raises EngineError for an Error about this request, a request too large for the engine's
+        frame limit (``invalid_request``), or a fatal one. Stopping early (``aclose()``, ``break``,
+        cancellation) aborts the request in the engine.
         """
         if self._fatal is not None:
             raise self._fatal
-        if self._sock is None:
+        if self._sock is None or self.ready is None:
             raise EngineError(ERR_NOT_READY, "call connect() first")
         if request_id in self._streams:
             raise EngineError(ERR_DUPLICATE_ID, f"request id {request_id!r} is already live", request_id)
-        request = AddRequest(request_id, list(prompt_token_ids), sampling_params, priority,
-                             arrival_time if arrival_time is not None else time.time())
+        frame = self._codec.encode(AddRequest(request_id, list(prompt_token_ids), sampling_params, priority,
+                                              arrival_time if arrival_time is not None else time.time()))
+        limit = self.ready.max_frame_bytes
+        if 0 < limit < len(frame):
+            # The engine would refuse it with a bad_frame Error that carries no request id.
+            raise EngineError(ERR_INVALID_REQUEST, f"request {request_id!r} encodes to {len(frame)} bytes, over the "
+                                                   f"engine-core's frame limit of {limit} bytes (--max-frame-bytes)",
+                              request_id)
         queue: asyncio.Queue[RequestOutput | EngineError] = asyncio.Queue()
-        self._streams[request_id] = _Stream(queue, request)
+        self._streams[request_id] = _Stream(queue, frame)
         finished = False
         try:
             if not self._rehello:  # else it is submitted when the engine's Ready comes back
-                self._send(request)
+                self._send_frame(frame)
             while True:
                 item = await queue.get()
                 if isinstance(item, EngineError):
@@ -166,10 +184,17 @@ class EngineClient:
 
     # ----------------------------------------------------------------------------- internals
 
-    def _send(self, msg: Hello | AddRequest | Abort | Heartbeat | UtilityCall) -> None:
+    def _send(self, msg: Hello | Abort | Heartbeat | UtilityCall) -> None:
+        self._send_frame(self._codec.encode(msg))
+
+    def _send_frame(self, frame: bytes) -> None:
         # DEALER with an unbounded queue never blocks, so no await: safe inside finally blocks.
         assert self._sock is not None
-        self._sock.send(self._codec.encode(msg), copy=False)
+        self._sock.send(frame, copy=False)
+
+    def _say_hello_again(self) -> None:
+        self.rehellos += 1
+        self._send(Hello(PROTOCOL_VERSION, self.client_name))
 
     def _decode(self, frame: bytes) -> EngineToFrontend | None:
         try:
@@ -205,10 +230,13 @@ class EngineClient:
             self._streams[err.request_id].queue.put_nowait(EngineError(err.code, err.message, err.request_id))
         elif err.fatal:
             log.error("engine-core: %s", err.message)
+            if self.ready is not None:  # that engine is going away: a Ready from it is not a recovery
+                self._dead_engine_id = self.ready.engine_id
             self._fail_all(EngineError(err.code, err.message))
-        elif err.code == ERR_NOT_READY:
+        elif err.code == ERR_NOT_READY and self._fatal is None:
             # The engine dropped us (our loop stalled past its client timeout) or restarted: what
             # already streamed was aborted there and fails; say Hello again, then resubmit the rest.
+            # (While failed, these answer stale frames queued before our Hello: the Hello is out.)
             if not self._rehello:
                 log.warning("engine-core forgot this client (%s): saying hello again", err.message)
                 self._rehello = True
@@ -216,21 +244,36 @@ class EngineClient:
                 for stream in self._streams.values():
                     if stream.got_output:
                         stream.queue.put_nowait(lost)
-                self._send(Hello(PROTOCOL_VERSION, self.client_name))
+                self._say_hello_again()
         else:
             log.warning("engine-core error [%s]: %s", err.code, err.message)
 
     def _on_ready_again(self, ready: Ready) -> None:
+        if self._fatal is not None:
+            if ready.engine_id == self._dead_engine_id:
+                return
+            log.info("engine-core at %s is back (engine id %s): serving again", self.address, ready.engine_id)
+            self.ready = ready
+            self._fatal = None
+            self._dead_engine_id = None
+            self.reconnects += 1
+            self._revived.set()
+            return
         self.ready = ready
         if self._rehello:
             self._rehello = False
             for stream in self._streams.values():
                 if not stream.got_output:
-                    self._send(stream.request)
+                    self._send_frame(stream.frame)
 
     async def _heartbeat_loop(self) -> None:
         last_tick = time.monotonic()
         while True:
+            if self._fatal is not None:
+                await self._say_hello_until_ready()
+                last_tick = self._last_rx = time.monotonic()
+                self._send(Heartbeat())
+                continue
             await asyncio.sleep(HEARTBEAT_S)
             now = time.monotonic()
             if now - last_tick > DEAD_AFTER_S:
@@ -244,8 +287,23 @@ class EngineClient:
             if silent > DEAD_AFTER_S and not pending:
                 self._fail_all(EngineError(ERR_ENGINE_DEAD, f"no message from the engine-core at {self.address} "
                                                             f"for {silent:.1f} s: it died or is unreachable"))
+                continue
+            if self._fatal is None:
+                self._send(Heartbeat())
+
+    async def _say_hello_until_ready(self) -> None:
+        """After a failure: Hello with backoff until ``_on_ready_again`` accepts a Ready."""
+        delay = RECONNECT_MIN_S
+        while self._fatal is not None:
+            self._revived.clear()
+            try:
+                await asyncio.wait_for(self._revived.wait(), delay)
                 return
-            self._send(Heartbeat())
+            except asyncio.TimeoutError:
+                pass
+            if self._fatal is not None:
+                self._say_hello_again()
+                delay = min(2 * delay, RECONNECT_MAX_S)
 
     def _fail_pending(self, error: EngineError) -> None:
         for stream in self._streams.values():
@@ -257,6 +315,7 @@ class EngineClient:
     def _fail_all(self, error: EngineError) -> None:
         if self._fatal is None:
             self._fatal = error
+        self._rehello = False  # every stream fails now: nothing is left to resubmit
         self._fail_pending(error)
 
     async def _teardown(self) -> None:
@@ -277,53 +336,3 @@ class EngineClient:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-
-
-class BlockingEngineClient:
-    """EngineClient for synchronous code: an event loop runs in a daemon thread."""
-
-    def __init__(self, address: str, client_name: str = "") -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="engine-client", daemon=True)
-        self._thread.start()
-        self._client = EngineClient(address, client_name)
-
-    @property
-    def ready(self) -> Ready | None:
-        return self._client.ready
-
-    @property
-    def stats(self) -> SchedulerStats | None:
-        return self._client.stats
-
-    def _run(self, coro: object, timeout: float | None = None) -> object:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)  # type: ignore[arg-type]
-
-    def connect(self, timeout: float = 30.0) -> Ready:
-        return self._run(self._client.connect(timeout))  # type: ignore[return-value]
-
-    def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 priority: int = 0, arrival_time: float | None = None) -> Iterator[RequestOutput]:
-        """Yield the request's deltas; closing the iterator early aborts the request."""
-        agen = self._client.generate(request_id, prompt_token_ids, sampling_params, priority, arrival_time)
-        try:
-            while True:
-                try:
-                    yield self._run(agen.__anext__())  # type: ignore[misc]
-                except StopAsyncIteration:
-                    return
-        finally:
-            self._run(agen.aclose())
-
-    def abort(self, request_ids: list[str]) -> None:
-        self._run(self._client.abort(request_ids))
-
-    def call_utility(self, method: str, timeout: float = 30.0) -> UtilityResult:
-        return self._run(self._client.call_utility(method, timeout))  # type: ignore[return-value]
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._run(self._client.close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5.0)
-            self._loop.close()

@@ -1,9 +1,10 @@
 """Offline inference: ``LLM(model=DIR, **engine_args).generate(prompts, SamplingParams(...))``.
 
 ``LLM`` starts an engine-core (and through it the workers) as a subprocess listening on an
-``ipc://`` socket in a private temp folder, connects an ``EngineClient`` to it on a private event
-loop, and runs batches through the same output path as the HTTP server (incremental
-detokenization, stop strings, ``n`` samples). ``shutdown()`` (also at interpreter exit) stops the
+``ipc://`` socket in a private temp folder, connects a ``BlockingEngineClient`` to it (its event
+loop runs in a thread for the LLM's lifetime, so heartbeats keep the engine from dropping the
+client between two ``generate()`` calls), and runs batches through the same output path as the
+HTTP server (incremental detokenization, stop strings, ``n`` samples). ``shutdown()`` (also at interpreter exit) stops the
 engine-core by PID.
 """
 
@@ -99,7 +100,7 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, tokenizer: str | None = None,
                  chat_template: str | None = None, startup_timeout: float = 600.0, **engine_args: Any) -> None:
-        from .client import EngineClient
+        from .blocking_client import BlockingEngineClient
 
         if model is None:
             from .demo_model import ensure_demo_model
@@ -113,8 +114,7 @@ class LLM:
                *engine_args_to_flags(engine_args)]
         self._log = open(self.log_path, "wb")
         self._proc: subprocess.Popen | None = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        self._loop = asyncio.new_event_loop()
-        self._client = EngineClient(self.address, client_name=f"llm-{os.getpid()}")
+        self._client = BlockingEngineClient(self.address, client_name=f"llm-{os.getpid()}")
         self._ids = itertools.count()
         atexit.register(self.shutdown)
         try:
@@ -128,7 +128,7 @@ class LLM:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self._loop.run_until_complete(self._client.connect(timeout=2.0))
+                return self._client.connect(timeout=2.0)
             except Exception as e:
                 if self._proc is not None and self._proc.poll() is not None:
                     raise RuntimeError(f"engine-core exited with code {self._proc.returncode}:\n{self._log_tail()}") from None
@@ -178,7 +178,7 @@ class LLM:
                 raise ValueError(f"{len(params_list)} sampling params for {len(id_lists)} prompts")
         gens = [self._generation(ids, sp) for ids, sp in zip(id_lists, params_list)]
         progress = Progress(len(gens), enabled=use_tqdm and len(gens) >= 8)
-        self._loop.run_until_complete(self._run_all(gens, progress))
+        self._client.run(self._run_all(gens, progress))
         progress.close()
         results = []
         for gen, text, ids in zip(gens, texts, id_lists):
@@ -202,7 +202,7 @@ class LLM:
             raise ValueError(problem)
         plan = ChoicePlan(prompt_ids, fan_out(engine, n), stop_strings(getattr(sp, "stop", None)),
                           getattr(sp, "include_stop_str_in_output", False), getattr(sp, "skip_special_tokens", True), 0)
-        return Generation(self._client, self.tokenizer, f"llm{next(self._ids)}", [plan])
+        return Generation(self._client.async_client, self.tokenizer, f"llm{next(self._ids)}", [plan])
 
     async def _run_all(self, gens: list[Generation], progress: Progress) -> None:
         async def one(gen: Generation) -> None:
@@ -217,9 +217,7 @@ class LLM:
         if proc is None:
             return
         try:
-            if not self._loop.is_closed():
-                self._loop.run_until_complete(self._client.close())
-                self._loop.close()
+            self._client.close()
         except Exception:
             pass
         if proc.poll() is None:

@@ -219,6 +219,13 @@ def render_prometheus(s: MetricsSnapshot, model_name: str) -> str:
     metric("evenflow:num_preemptions_total", "counter", "Preemptions by the scheduler.", e.num_preemptions)
     metric("evenflow:prefix_cache_queries_total", "counter", "Prefix cache queries, in tokens.", e.prefix_cache_queries)
     metric("evenflow:prefix_cache_hits_total", "counter", "Prefix cache hits, in tokens.", e.prefix_cache_hits)
+    metric("evenflow:num_steps_total", "counter", "Engine steps that ran the model.", e.num_steps)
+    metric("evenflow:scheduled_tokens_total", "counter", "Tokens computed by the model (prompt + generated).",
+           e.num_prompt_tokens + e.num_generation_tokens)
+    metric("evenflow:worker_forward_seconds_total", "counter", "Seconds the workers spent in forward passes.",
+           e.worker_forward_s)
+    metric("evenflow:worker_idle_seconds_total", "counter",
+           "Seconds the workers waited on the engine-core while it had work.", e.worker_idle_s)
     for name, help_text in COUNTERS.items():
         metric(name, "counter", help_text, s.counters.get(name, 0.0))
     name = "evenflow:request_success_total"

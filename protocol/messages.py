@@ -51,8 +51,8 @@ class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True):
             return f"max_tokens must be >= 1, got {self.max_tokens}"
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             return f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-        if not (self.temperature >= 0.0):
-            return f"temperature must be >= 0, got {self.temperature}"
+        if not (0.0 <= self.temperature < float("inf")):
+            return f"temperature must be finite and >= 0, got {self.temperature}"
         if not (0.0 < self.top_p <= 1.0):
             return f"top_p must be in (0, 1], got {self.top_p}"
         if self.top_k < -1:
@@ -258,6 +258,7 @@ class Ready(Struct, tag="ready", array_like=True):
     num_kv_blocks: int
     max_num_batched_tokens: int
     engine_id: str
+    max_frame_bytes: int = 0  # the engine's --max-frame-bytes; 0 = unknown (an older engine)
 
 
 class RequestOutput(Struct, array_like=True, omit_defaults=True):

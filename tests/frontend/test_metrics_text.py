@@ -24,7 +24,8 @@ def test_render_has_every_family_and_valid_histograms() -> None:
     m = FrontendMetrics("demo")
     _serve_one(m, 5, "length")
     m.set_engine_stats(SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_preemptions=3,
-                                      prefix_cache_queries=100, prefix_cache_hits=40))
+                                      prefix_cache_queries=100, prefix_cache_hits=40, num_steps=7,
+                                      num_prompt_tokens=30, num_generation_tokens=12, worker_forward_s=1.5))
     text = m.render()
     for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
                  "prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total",
@@ -33,6 +34,9 @@ def test_render_has_every_family_and_valid_histograms() -> None:
         assert f"# TYPE evenflow:{name} " in text, name
     assert _value(text, 'evenflow:num_requests_running{model_name="demo"}') == 2
     assert _value(text, 'evenflow:kv_cache_usage_perc{') == 0.25
+    assert _value(text, 'evenflow:num_steps_total{') == 7
+    assert _value(text, 'evenflow:scheduled_tokens_total{') == 42
+    assert _value(text, 'evenflow:worker_forward_seconds_total{') == 1.5
     assert _value(text, 'evenflow:generation_tokens_total{') == 5
     assert _value(text, 'evenflow:request_success_total{model_name="demo",finished_reason="length"}') == 1
     assert _value(text, 'evenflow:time_to_first_token_seconds_bucket{model_name="demo",le="0.25"}') == 1

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from evenflow.protocol import (
     PROTOCOL_VERSION, Abort, AddRequest, Codec, DecodeError, EngineToFrontend, EngineToWorker, Error,
-    FrontendToEngine, Heartbeat, Hello, ModelRunnerOutput, Outputs, RequestOutput, SamplingParams,
+    FrontendToEngine, Heartbeat, Hello, ModelRunnerOutput, Outputs, Ready, RequestOutput, SamplingParams,
     SchedulerStats, UtilityCall, WorkerToEngine,
 )
 
@@ -87,3 +87,12 @@ def test_engine_messages_round_trip_and_stay_small() -> None:
 
 def test_protocol_version_is_a_positive_int() -> None:
     assert isinstance(PROTOCOL_VERSION, int) and PROTOCOL_VERSION >= 1
+
+
+def test_ready_carries_max_frame_bytes_and_accepts_an_older_engines_shorter_array() -> None:
+    codec = Codec(EngineToFrontend)
+    ready = Ready(PROTOCOL_VERSION, "m", "/m", 64, 100, [2], 16, 32, 256, "eid", 65536)
+    assert codec.decode(codec.encode(ready)) == ready
+    older = msgspec.msgpack.encode(["ready", PROTOCOL_VERSION, "m", "/m", 64, 100, [2], 16, 32, 256, "eid"])
+    decoded = codec.decode(older)
+    assert isinstance(decoded, Ready) and decoded.engine_id == "eid" and decoded.max_frame_bytes == 0

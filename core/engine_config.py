@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="seconds to wait for every worker's handshake")
     a("--client-timeout", type=float, default=d.client_timeout,
       help="seconds of silence after which a frontend is dropped and its requests aborted")
-    a("--worker-threads", type=int, default=None, help="torch threads per worker (default: torch's choice)")
+    a("--worker-threads", type=int, default=None,
+      help="torch threads per worker (default on CPU: (cores - 1) / tensor-parallel-size, at least 1)")
     return p
 
 

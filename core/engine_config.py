@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", default=d.device, help="worker device: auto, cpu, cuda")
     a("--seed", type=int, default=d.seed, help="random seed of the workers")
     a("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, help="worker processes (ranks)")
-    a("--attention-backend", default=d.attention_backend, help="auto, torch, triton, flash_attn")
+    a("--attention-backend", default=d.attention_backend, choices=("auto", "torch", "triton", "flash_attn"),
+      help="attention kernels: auto picks flash_attn or triton on CUDA, torch on CPU")
     a("--no-async-scheduling", dest="async_scheduling", action="store_false",
       help="turn off overlap (schedule step N+1 only after step N's results)")
     a("--load-format", choices=("auto", "dummy"), default=d.load_format,

@@ -13,8 +13,8 @@ ModelRunnerOutput.
 
 from __future__ import annotations
 
+import logging
 import os
-
 import time
 
 import numpy as np
@@ -29,6 +29,8 @@ from evenflow.worker.loader import load_weights, resolve_dtype
 from evenflow.worker.models.registry import build_model
 from evenflow.worker.parallel import destroy_tensor_parallel, init_tensor_parallel
 from evenflow.worker.sampler import Sampler, SamplingMetadata
+
+log = logging.getLogger("evenflow.worker.runner")
 
 
 def resolve_device(requested: str, rank: int) -> torch.device:
@@ -68,6 +70,9 @@ class ModelRunner:
         backend_cls = select_backend(config.attention_backend, self.device, self.torch_dtype)
         self.attention_backend = backend_cls.name
         self.block_size = backend_cls.block_size_for(config.block_size)
+        if self.block_size != config.block_size:  # coarser blocks also coarsen prefix-cache sharing
+            log.warning("the %s attention backend pages KV in blocks of %d tokens: block size %d -> %d",
+                        self.attention_backend, self.block_size, config.block_size, self.block_size)
         torch.manual_seed(config.seed)
         self.model = build_model(self.model_config, self.tp, self.torch_dtype, self.device, config.max_model_len)
         load_weights(self.model, config.model, config.load_format, config.seed)

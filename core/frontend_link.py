@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -162,19 +163,9 @@ class FrontendLink:
             while not self._stop.is_set():
                 events = dict(poller.poll(100))
                 if router in events:
-                    for _ in range(256):  # drain a burst without starving the other sockets
-                        try:
-                            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._on_frames(router, frames)
+                    _drain(router, lambda frames: self._on_frames(router, frames))
                 if pipe in events:
-                    for _ in range(256):
-                        try:
-                            parts = pipe.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._on_outgoing(router, parts)
+                    _drain(pipe, lambda parts: self._on_outgoing(router, parts))
                 if monitor in events:
                     recv_monitor_message(monitor)
                     now = time.monotonic()
@@ -274,3 +265,14 @@ class FrontendLink:
         if client is not None:
             log.warning("client %d (%s) gone: %s", client.index, client.name or identity.hex(), reason)
             self.inbox.put(ClientGone(identity, client.index, reason))
+
+
+def _drain(sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None], burst: int = 256) -> None:
+    """Handle up to ``burst`` waiting messages of ``sock``: a burst is drained without starving
+    the other sockets of the poll loop."""
+    for _ in range(burst):
+        try:
+            parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        handle(parts)

@@ -14,7 +14,6 @@ ModelRunnerOutput.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import numpy as np
@@ -29,6 +28,7 @@ from evenflow.worker.loader import load_weights, resolve_dtype
 from evenflow.worker.models.registry import build_model
 from evenflow.worker.parallel import destroy_tensor_parallel, init_tensor_parallel
 from evenflow.worker.sampler import Sampler, SamplingMetadata
+from evenflow.worker.threads import ThreadSetter, plan_step_threads
 
 log = logging.getLogger("evenflow.worker.runner")
 
@@ -43,24 +43,13 @@ def resolve_device(requested: str, rank: int) -> torch.device:
     return device
 
 
-def default_num_threads(device: torch.device, world_size: int) -> int:
-    """CPU ranks leave one core to the engine-core, frontends and socket threads (as vLLM's CPU
-    build does by default): when compute threads share every core with them, an OpenMP barrier
-    waits on a descheduled thread and a step stalls. Measured on a 2-core machine under load: worst
-    inter-token gap 846 ms with 2 threads vs 184 ms with 1; on a quiet one the two are even."""
-    if device.type != "cpu":
-        return torch.get_num_threads()
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, (usable - 1) // world_size)
-
-
 class ModelRunner:
     """Loads the model for one rank and executes scheduler steps on it."""
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device, config.rank)
-        torch.set_num_threads(config.num_threads or default_num_threads(self.device, config.world_size))
+        self.threads = ThreadSetter(plan_step_threads(self.device, config.world_size, config.num_threads))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init_addr, self.device)
@@ -146,6 +135,7 @@ class ModelRunner:
         self.batch.update(so)
         if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
             return ModelRunnerOutput(so.step_id, [], []) if self.tp.rank == 0 else None
+        self.threads.before_step(so.total_num_scheduled_tokens)
         inputs = self.batch.prepare_inputs(so)
         plan = self.attn.plan(inputs.attn)
         t1 = time.perf_counter()

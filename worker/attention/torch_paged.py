@@ -129,14 +129,16 @@ class TorchPagedAttention(AttentionBackend):
             o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=g.mask, scale=self.scale)
             out[g.start : g.end] = o.reshape(b, self.num_heads * d)
         for c in plan.chunks:
-            qc = q[c.q_start : c.q_end].transpose(0, 1)  # [H, n, D]
+            # 4-D [1, H, n, D]: PyTorch's CPU flash kernel takes only batched inputs; 3-D inputs with a
+            # mask fall back to the math path, measured 2x slower on a 256 x 2048 chunk.
+            qc = q[c.q_start : c.q_end].transpose(0, 1)[None]
             if c.block_ids is None:
-                kc = k[c.q_start : c.q_end].transpose(0, 1)
-                vc = v[c.q_start : c.q_end].transpose(0, 1)
+                kc = k[c.q_start : c.q_end].transpose(0, 1)[None]
+                vc = v[c.q_start : c.q_end].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                kc = k_cache.index_select(0, c.block_ids).view(-1, hkv, d)[: c.context_len].transpose(0, 1)
-                vc = v_cache.index_select(0, c.block_ids).view(-1, hkv, d)[: c.context_len].transpose(0, 1)
+                kc = k_cache.index_select(0, c.block_ids).view(-1, hkv, d)[: c.context_len].transpose(0, 1)[None]
+                vc = v_cache.index_select(0, c.block_ids).view(-1, hkv, d)[: c.context_len].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, scale=self.scale, enable_gqa=True)
-            out[c.q_start : c.q_end] = o.transpose(0, 1).reshape(c.q_end - c.q_start, self.num_heads * d)
+            out[c.q_start : c.q_end] = o[0].transpose(0, 1).reshape(c.q_end - c.q_start, self.num_heads * d)
         return out

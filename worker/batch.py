@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from evenflow.protocol import NewRequestData, SchedulerOutput
 from evenflow.worker.attention.base import AttentionInputs
-from evenflow.worker.sampler import RequestSamplingState
+from evenflow.worker.sampling_metadata import RequestSamplingState
 
 
 @dataclass

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import torch
-from evenflow.worker.models.layers import cpu_has_fast_path
+from evenflow.worker.models.linear import cpu_has_fast_path
 from evenflow.worker.models.llama import LlamaModel, WeightSpec
 from safetensors import safe_open
 

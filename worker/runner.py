@@ -27,7 +27,8 @@ from evenflow.worker.kv_cache import allocate_kv_cache, bytes_per_block, cpu_num
 from evenflow.worker.loader import load_weights, resolve_dtype
 from evenflow.worker.models.registry import build_model
 from evenflow.worker.parallel import destroy_tensor_parallel, init_tensor_parallel
-from evenflow.worker.sampler import Sampler, SamplingMetadata
+from evenflow.worker.sampler import Sampler
+from evenflow.worker.sampling_metadata import SamplingMetadata
 from evenflow.worker.threads import ThreadSetter, plan_step_threads
 
 log = logging.getLogger("evenflow.worker.runner")

@@ -1,4 +1,5 @@
-"""Tests of the batched sampler (worker/sampler.py, penalties.py, logprobs.py), CPU only."""
+"""Tests of the batched sampler (worker/sampler.py, sampling_metadata.py, penalties.py, logprobs.py), CPU
+only."""
 
 from __future__ import annotations
 
@@ -12,13 +13,8 @@ from hypothesis import strategies as st
 
 from evenflow.protocol import SamplingParams
 from evenflow.worker import sampler as sampler_module
-from evenflow.worker.sampler import (
-    RequestSamplingState,
-    Sampler,
-    SamplerOutput,
-    SamplingMetadata,
-    filter_logits,
-)
+from evenflow.worker.sampler import Sampler, SamplerOutput, filter_logits
+from evenflow.worker.sampling_metadata import RequestSamplingState, SamplingMetadata
 
 CPU = torch.device("cpu")
 EOS = 2

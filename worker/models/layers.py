@@ -1,4 +1,4 @@
-"""Building blocks of Llama-family decoders: RMSNorm, rotary embedding, tensor-parallel shapes.
+"""Building blocks of Llama-family decoders: RMSNorm and the rotary embedding.
 
 Weights live as plain tensors in small modules so that the forward pass is a short sequence of
 ``F.linear`` / elementwise calls without per-layer Python dispatch beyond what the math needs.
@@ -7,52 +7,10 @@ Weights live as plain tensors in small modules so that the forward pass is a sho
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from evenflow.worker.config_reader import RopeScaling
-
-Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-# Below this many rows a half-precision matmul is cheaper than upcasting its weight (measured).
-UPCAST_MIN_ROWS = 8
-
-
-def cpu_has_fast_path(dtype: torch.dtype) -> bool:
-    """Whether CPU matmuls in ``dtype`` are native (not emulated through float32 conversions)."""
-    if dtype == torch.float32:
-        return True
-    flags = _cpu_flags()
-    if dtype == torch.bfloat16:
-        return "avx512_bf16" in flags or "amx_bf16" in flags
-    return "avx512_fp16" in flags or "amx_fp16" in flags
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A half-precision linear computed as float32 GEMM (exact upcasts, float32 accumulation, one
-    rounding of the result: what a native bf16 GEMM does), for CPUs without native bf16/fp16,
-    where this is ~4x faster than the emulated kernel from 8 rows up."""
-    if x.shape[0] < UPCAST_MIN_ROWS:
-        return F.linear(x, weight, bias)
-    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-
-
-def pick_linear(dtype: torch.dtype, device: torch.device) -> Linear:
-    """``F.linear``, or ``upcast_linear`` for half precision on a CPU without a fast path for it."""
-    if device.type == "cpu" and not cpu_has_fast_path(dtype):
-        return upcast_linear
-    return F.linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

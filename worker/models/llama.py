@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from evenflow.worker.attention.base import AttentionBackend, KVCache
 from evenflow.worker.config_reader import ModelConfig
-from evenflow.worker.models.layers import RotaryTable, apply_rotary, pick_linear, rms_norm, rms_norm_heads
+from evenflow.worker.models.layers import RotaryTable, apply_rotary, rms_norm, rms_norm_heads
+from evenflow.worker.models.linear import pick_linear
 from evenflow.worker.parallel import TensorParallel
 from torch import nn
 
@@ -26,6 +27,17 @@ class WeightSpec:
     param: str
     shard_dim: int | None  # None: replicated; 0: rows (column-parallel); 1: columns (row-parallel)
     row_offset: int = 0  # for fused parameters: the first row this tensor's shard fills
+
+
+@dataclass
+class LayerLinears:
+    """One layer's projection weights as the linear kernel wants them (see models/linear.py)."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -92,6 +104,9 @@ class LlamaModel(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         # Qwen3: one weight row per head over the q and k heads together, so one norm call per layer.
         self._qk_norm_weights: list[torch.Tensor] = []
+        # Filled by finish_loading: the weights in the linear kernel's own layout.
+        self._linears: list[LayerLinears] = []
+        self._head: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- loading
 
@@ -135,6 +150,25 @@ class LlamaModel(nn.Module):
                 torch.cat([layer.q_norm.expand(self.num_heads, -1), layer.k_norm.expand(self.num_kv_heads, -1)])
                 for layer in self.layers
             ]
+        self._prepare_linears()
+
+    def _prepare_linears(self) -> None:
+        """Hand every projection weight to the linear kernel once. A kernel that re-lays a weight
+        out (oneDNN packing) gets a copy, and the loaded tensor is released so memory does not
+        double; the tied embedding stays, since the embedding lookup reads it."""
+        prepare = self.linear.prepare
+
+        def take(param: nn.Parameter) -> torch.Tensor:
+            prepared = prepare(param)
+            if prepared is not param:
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            return prepared
+
+        self._linears = [
+            LayerLinears(take(layer.qkv), layer.qkv_bias, take(layer.o), take(layer.gate_up), take(layer.down))
+            for layer in self.layers
+        ]
+        self._head = prepare(self.embed) if self.lm_head is None else take(self.lm_head)
 
     # ---------------------------------------------------------------- forward
 
@@ -164,9 +198,9 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         qk_heads = self.num_heads + self.num_kv_heads
         linear = self.linear
-        for i, layer in enumerate(self.layers):
+        for i, (layer, w) in enumerate(zip(self.layers, self._linears)):
             h = rms_norm(x, layer.input_norm, eps)
-            qkv = linear(h, layer.qkv, layer.qkv_bias)
+            qkv = linear(h, w.qkv, w.qkv_bias)
             qk = qkv[:, : self.q_size + self.kv_size].view(n, qk_heads, d)
             if cfg.qk_norm:
                 qk = rms_norm_heads(qk, self._qk_norm_weights[i], eps)
@@ -174,12 +208,11 @@ class LlamaModel(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, d)
             o = attn.forward(q, k, v, kv_caches[i], attn_plan)
-            x = x + self.tp.all_reduce(linear(o, layer.o, None))
+            x = x + self.tp.all_reduce(linear(o, w.o, None))
             h = rms_norm(x, layer.post_norm, eps)
-            gu = linear(h, layer.gate_up, None)
+            gu = linear(h, w.gate_up, None)
             act = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :]
-            x = x + self.tp.all_reduce(linear(act, layer.down, None))
+            x = x + self.tp.all_reduce(linear(act, w.down, None))
         x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
-        head = self.embed if self.lm_head is None else self.lm_head
-        logits = self.tp.all_gather_last_dim(linear(x, head, None).float())
+        logits = self.tp.all_gather_last_dim(linear(x, self._head, None).float())
         return logits[:, : cfg.vocab_size]

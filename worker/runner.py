@@ -29,7 +29,7 @@ from evenflow.worker.models.registry import build_model
 from evenflow.worker.parallel import destroy_tensor_parallel, init_tensor_parallel
 from evenflow.worker.sampler import Sampler
 from evenflow.worker.sampling_metadata import SamplingMetadata
-from evenflow.worker.threads import ThreadSetter, plan_step_threads
+from evenflow.worker.threads import ThreadSetter, plan_step_threads, step_flops
 
 log = logging.getLogger("evenflow.worker.runner")
 
@@ -50,7 +50,6 @@ class ModelRunner:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device, config.rank)
-        self.threads = ThreadSetter(plan_step_threads(self.device, config.world_size, config.num_threads))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init_addr, self.device)
@@ -65,6 +64,9 @@ class ModelRunner:
                         self.attention_backend, self.block_size, config.block_size, self.block_size)
         torch.manual_seed(config.seed)
         self.model = build_model(self.model_config, self.tp, self.torch_dtype, self.device, config.max_model_len)
+        self.num_params = sum(p.numel() for p in self.model.parameters())  # this rank's shard
+        self.threads = ThreadSetter(plan_step_threads(self.device, config.world_size, config.num_threads),
+                                    self.num_params * torch.empty(0, dtype=self.torch_dtype).element_size())
         load_weights(self.model, config.model, config.load_format, config.seed)
         self.model.eval()
         cfg = self.model_config
@@ -136,14 +138,15 @@ class ModelRunner:
         self.batch.update(so)
         if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
             return ModelRunnerOutput(so.step_id, [], []) if self.tp.rank == 0 else None
-        self.threads.before_step(so.total_num_scheduled_tokens)
         inputs = self.batch.prepare_inputs(so)
+        self.threads.before_step(self._step_flops(inputs))
         plan = self.attn.plan(inputs.attn)
         t1 = time.perf_counter()
         with torch.inference_mode():
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attn, plan,
                                 inputs.logits_indices)
         t2 = time.perf_counter()
+        self.threads.after_step(t2 - t1)
         sampled_reqs = [s for s, m in zip(inputs.requests, inputs.sample_mask.tolist()) if m]
         sampled, logprobs = self._sample(logits, sampled_reqs)
         self.batch.append_sampled(sampled_reqs, sampled)
@@ -151,6 +154,12 @@ class ModelRunner:
         if self.tp.rank != 0:
             return None
         return self._output(so.step_id, inputs, sampled, logprobs, t1 - t0, t2 - t1, t3 - t2)
+
+    def _step_flops(self, inputs: StepInputs) -> float:
+        a = inputs.attn
+        pairs = int((np.diff(a.query_start_loc_np) * a.seq_lens_np).sum())
+        return step_flops(self.num_params, a.num_tokens, pairs, self.model_config.num_layers, self.model.num_heads,
+                          self.model_config.head_dim)
 
     def _sample(self, logits: torch.Tensor, reqs: list[RequestState]) -> tuple[np.ndarray, list | None]:
         """Rank 0 samples; other ranks receive its ids. Returns (ids as numpy, sampler logprobs)."""

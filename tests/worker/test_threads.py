@@ -1,14 +1,15 @@
-"""The CPU thread plan: small steps leave a core free, large steps use them all, a fixed
-``--worker-threads`` wins, and torch is only touched when the count changes."""
+"""The CPU thread plan: short steps leave a core free, long ones use every core unless another
+process keeps one busy, a fixed ``--worker-threads`` wins, and torch is only touched on change."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from evenflow.worker import threads
-from evenflow.worker.threads import BIG_STEP_TOKENS, StepThreads, ThreadSetter, plan_step_threads
+from evenflow.worker.threads import MIN_PROBE_GAP, StepThreads, ThreadSetter, plan_step_threads, step_flops
 
 CPU = torch.device("cpu")
+TINY, SMALL = 7_300_000, 107_000_000  # the demo presets' parameter counts
 
 
 @pytest.mark.parametrize(("cores", "world", "small", "big"), [(2, 1, 1, 2), (16, 1, 15, 16), (16, 2, 7, 8),
@@ -22,17 +23,62 @@ def test_default_plan_from_cores(monkeypatch: pytest.MonkeyPatch, cores: int, wo
 def test_requested_count_is_fixed_and_gpu_keeps_torch_default() -> None:
     assert plan_step_threads(CPU, 1, 3) == StepThreads(3, 3)
     assert plan_step_threads(torch.device("cuda"), 1, None) is None
-    assert StepThreads(1, 2).for_step(BIG_STEP_TOKENS - 1) == 1
-    assert StepThreads(1, 2).for_step(BIG_STEP_TOKENS) == 2
 
 
-def test_setter_switches_only_on_change(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    setter = ThreadSetter(StepThreads(1, 2))
-    for tokens in (8, 8, 300, 256, 8, 64):
-        setter.before_step(tokens)
-    assert calls == [2, 1, 2]
-    ThreadSetter(None).before_step(1000)
-    assert calls == [2, 1, 2]
+def test_long_steps_are_estimated_from_the_model_and_the_step() -> None:
+    tiny = ThreadSetter(StepThreads(1, 2), TINY * 4)
+    decodes = step_flops(TINY, 8, 8 * 300, 4, 4, 64)
+    chunk = step_flops(TINY, 256 + 8, 256 * 1500 + 8 * 300, 4, 4, 64)
+    assert not tiny.is_long(decodes) and tiny.is_long(chunk)
+    # Streaming a 107M-parameter model's weights alone takes longer than the threshold.
+    assert ThreadSetter(StepThreads(1, 2), SMALL * 4).is_long(step_flops(SMALL, 1, 100, 8, 16, 64))
+
+
+class FakeTorch:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[int] = []
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+        monkeypatch.setattr(torch, "set_num_threads", self.calls.append)
+
+
+def run_long_steps(setter: ThreadSetter, n: int, seconds_per_thread: dict[int, float]) -> list[int]:
+    used = []
+    for _ in range(n):
+        setter.before_step(1e10)
+        used.append(setter.current)
+        setter.after_step(seconds_per_thread[setter.current])
+    return used
+
+
+def test_long_steps_use_every_core_when_that_is_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeTorch(monkeypatch)
+    setter = ThreadSetter(StepThreads(1, 2), TINY * 4)
+    used = run_long_steps(setter, 40, {1: 0.06, 2: 0.04})
+    assert used[:2] == [2, 1]  # both measured once
+    assert used.count(1) <= 2 + 40 // MIN_PROBE_GAP
+    setter.before_step(1e3)  # a short step
+    assert setter.current == 1
+
+
+def test_long_steps_fall_back_to_one_thread_under_contention_and_recover(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeTorch(monkeypatch)
+    setter = ThreadSetter(StepThreads(1, 2), TINY * 4)
+    run_long_steps(setter, 20, {1: 0.06, 2: 0.04})
+    # Another process now keeps a core busy: two-thread steps stall.
+    contended = run_long_steps(setter, 400, {1: 0.07, 2: 1.0})
+    assert contended.count(2) <= 6  # one stall, then re-tries with a doubling gap
+    assert contended[-50:] == [1] * 50
+    # The core is free again: the next re-try wins and every core is used again.
+    free = run_long_steps(setter, 600, {1: 0.06, 2: 0.04})
+    assert free[-50:].count(2) >= 45
+
+
+def test_setter_touches_torch_only_on_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeTorch(monkeypatch)
+    setter = ThreadSetter(StepThreads(1, 1), TINY * 4)
+    for flops in (1e3, 1e10, 1e3):
+        setter.before_step(flops)
+        setter.after_step(0.01)
+    assert fake.calls == []
+    ThreadSetter(None, TINY * 4).before_step(1e12)
+    assert fake.calls == []

@@ -32,6 +32,9 @@ LONG_STEP_SECONDS = 0.015
 # Long steps between re-tries of the slower thread count: from MIN, doubling while it loses.
 MIN_PROBE_GAP, MAX_PROBE_GAP = 16, 1024
 COST_EMA = 0.25  # weight of the newest step in the running seconds-per-FLOP estimates
+# Every core stays the choice unless it costs this much more per FLOP than one thread: the
+# per-FLOP estimate of a step is noisy (~30%), contention is not subtle (10x and more).
+CONTENTION_MARGIN = 1.5
 
 
 @dataclass(frozen=True)
@@ -96,11 +99,16 @@ class ThreadSetter:
             return big, True
         if small not in self.cost:
             return small, True
-        best = big if self.cost[big] <= self.cost[small] else small
+        best = self._best()
         if self.until_probe <= 0:
             return (small if best == big else big), True
         self.until_probe -= 1
         return best, False
+
+    def _best(self) -> int:
+        assert self.plan is not None
+        big, small = self.plan.big, self.plan.small
+        return big if self.cost[big] <= CONTENTION_MARGIN * self.cost[small] else small
 
     def after_step(self, seconds: float) -> None:
         """Record how long the step chosen by the last ``before_step`` took."""
@@ -108,14 +116,15 @@ class ThreadSetter:
             return
         threads, flops, probe = self._step
         sample = seconds / max(flops, 1.0)
-        if probe:  # a fresh measurement replaces the old one: the machine may have changed
-            other = self.cost.get(self.plan.small if threads == self.plan.big else self.plan.big)
-            lost = other is not None and sample > other
+        if not probe:
+            self.cost[threads] += COST_EMA * (sample - self.cost[threads])
+            return
+        # A probe's fresh measurement replaces the old one: the machine may have changed.
+        self.cost[threads] = sample
+        if len(self.cost) == 2:
+            lost = self._best() != threads
             self.probe_gap = min(2 * self.probe_gap, MAX_PROBE_GAP) if lost else MIN_PROBE_GAP
             self.until_probe = self.probe_gap
-            self.cost[threads] = sample
-        else:
-            self.cost[threads] += COST_EMA * (sample - self.cost[threads])
 
 
 def step_flops(num_params: int, num_tokens: int, attention_pairs: int, layers: int, heads: int,

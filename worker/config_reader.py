@@ -1,16 +1,17 @@
-"""Read a HuggingFace ``config.json`` (and ``generation_config.json``) into one flat dataclass.
+"""The worker's view of a HuggingFace checkpoint: ``config.json`` as one flat dataclass.
 
-Both config layouts are accepted: the classic one (top-level ``rope_theta`` / ``rope_scaling``)
-that real checkpoints carry, and the transformers-5 one (``rope_parameters: {rope_theta,
-rope_type, ...}``) that freshly saved test checkpoints carry.
+The files are read by ``evenflow.protocol.hf_config`` (shared with the engine-core), which
+accepts both config dialects: classic top-level ``rope_theta`` / ``rope_scaling``, and the
+transformers-5 ``rope_parameters: {rope_theta, rope_type, ...}`` of freshly saved checkpoints.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from evenflow.protocol.hf_config import read_hf_config, rope_scaling_of
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -54,21 +55,11 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
 
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
 def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """Return (rope_theta, llama3 scaling or None) from either config dialect."""
     params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
     theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
-    # In transformers 5 the scaling fields live in rope_parameters next to rope_theta.
-    source = scaling if scaling else params
+    source = rope_scaling_of(raw)
     rope_type = source.get("rope_type", source.get("type", "default"))
     if rope_type in (None, "default"):
         return float(theta), None
@@ -98,24 +89,19 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
 
     Raises ValueError naming the architecture when it is not one this worker implements.
     """
-    model_dir = Path(model_dir)
-    raw = json.loads((model_dir / "config.json").read_text())
-    archs = raw.get("architectures") or []
+    hf = read_hf_config(model_dir)
+    raw = hf.text
+    archs = hf.raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ValueError(
-            f"unsupported model architecture {archs!r} in {model_dir / 'config.json'}; "
+            f"unsupported model architecture {archs!r} in {hf.path / 'config.json'}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     theta, scaling = _rope(raw)
     num_heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     head_dim = raw.get("head_dim") or hidden // num_heads
-    eos = _as_id_list(raw.get("eos_token_id"))
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.exists():
-        gen_eos = _as_id_list(json.loads(gen_path.read_text()).get("eos_token_id"))
-        eos = eos + [e for e in gen_eos if e not in eos]
     dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
     return ModelConfig(
         architecture=arch,
@@ -135,5 +121,5 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         qk_norm=arch == "Qwen3ForCausalLM",
         sliding_window=_sliding_window(raw),
         torch_dtype=str(dtype),
-        eos_token_ids=eos,
+        eos_token_ids=hf.eos_token_ids,
     )

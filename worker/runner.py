@@ -139,7 +139,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
             return ModelRunnerOutput(so.step_id, [], []) if self.tp.rank == 0 else None
         inputs = self.batch.prepare_inputs(so)
-        self.threads.before_step(self._step_flops(inputs))
+        self.threads.before_step(self._step_flops(inputs), inputs.attn.num_tokens)
         plan = self.attn.plan(inputs.attn)
         t1 = time.perf_counter()
         with torch.inference_mode():

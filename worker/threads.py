@@ -12,8 +12,8 @@ A CPU worker shares its cores with the engine-core, the frontends and their sock
 * All cores is a bet that they are free. When another process keeps a core busy, each of the
   step's ~50 parallel regions waits a scheduler time slice for the descheduled thread: measured
   with one busy-looping process beside the tiny model, 2-thread steps made p99 ITL 1.27 s against
-  61 ms on 1 thread. So ``ThreadSetter`` times long steps per unit of work with each thread count,
-  uses the faster, and re-tries the other now and then (backing off while it keeps losing).
+  61 ms on 1 thread. So ``ThreadSetter`` watches what long steps cost and leaves a core free for a
+  while when one costs far more than usual (see its docstring).
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ CORE_FLOPS = 60e9
 CORE_WEIGHT_BYTES_PER_S = 10e9
 # A step estimated to take longer than this on one thread runs on every core.
 LONG_STEP_SECONDS = 0.015
-# Long steps between re-tries of the slower thread count: from MIN, doubling while it loses.
-MIN_PROBE_GAP, MAX_PROBE_GAP = 16, 1024
-COST_EMA = 0.25  # weight of the newest step in the running seconds-per-FLOP estimates
-# Every core stays the choice unless it costs this much more per FLOP than one thread: the
-# per-FLOP estimate of a step is noisy (~30%), contention is not subtle (10x and more).
-CONTENTION_MARGIN = 1.5
+# A long step on every core that costs this much more per FLOP than the best seen for steps of
+# its size means a core is taken: per-step estimates vary by well under 2x, contention costs 10x+.
+CONTENTION_FACTOR = 2.5
+# The best-seen cost creeps up by this fraction per step, so a lasting change of the machine
+# (other tenants, frequency) resets the baseline instead of reading as contention forever.
+BASELINE_DRIFT = 0.01
+# Long steps on fewer threads before every core is tried again: from MIN, doubling while contended.
+MIN_RETRY_GAP, MAX_RETRY_GAP = 16, 1024
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,12 @@ def plan_step_threads(device: torch.device, world_size: int, requested: int | No
 class ThreadSetter:
     """Picks each step's thread count (``before_step``) and learns from its time (``after_step``).
 
+    Long steps run on every core while that costs at most ``CONTENTION_FACTOR`` times the best
+    per-FLOP cost seen for steps of the same size (log2 of the token count). When one costs more,
+    a core is busy elsewhere: long steps drop to the short-step count for ``retry_gap`` of them,
+    then every core is tried again (the gap doubles while contention lasts). An uncontended
+    machine never pays for a probe.
+
     ``weight_bytes``: what one step streams regardless of its size (this rank's weights).
     """
 
@@ -70,61 +78,44 @@ class ThreadSetter:
         self.plan = plan
         self.weight_seconds = weight_bytes / CORE_WEIGHT_BYTES_PER_S
         self.current = torch.get_num_threads()
-        self.cost: dict[int, float] = {}  # threads -> seconds per FLOP of long steps run with them
-        self.until_probe = 0
-        self.probe_gap = MIN_PROBE_GAP
-        self._step: tuple[int, float, bool] | None = None  # (threads, flops, is_probe) of a long step
+        self.best: dict[int, float] = {}  # log2(tokens) -> best seconds per FLOP on every core
+        self.fallback_steps = 0  # long steps left on fewer threads
+        self.retry_gap = MIN_RETRY_GAP
+        self._step: tuple[int, float] | None = None  # (size bucket, flops) of a long step on every core
 
     def is_long(self, flops: float) -> bool:
         return self.weight_seconds + flops / CORE_FLOPS >= LONG_STEP_SECONDS
 
-    def before_step(self, flops: float) -> None:
-        """Set the thread count for a step of ``flops`` (estimated)."""
+    def before_step(self, flops: float, num_tokens: int) -> None:
+        """Set the thread count for a step of ``num_tokens`` tokens and ``flops`` (estimated)."""
         plan = self.plan
         self._step = None
         if plan is None:
             return
         wanted = plan.small
         if plan.big != plan.small and self.is_long(flops):
-            wanted, probe = self._choose_long()
-            self._step = (wanted, flops, probe)
+            if self.fallback_steps > 0:
+                self.fallback_steps -= 1
+            else:
+                wanted = plan.big
+                self._step = (num_tokens.bit_length(), flops)
         if wanted != self.current:
             torch.set_num_threads(wanted)
             self.current = wanted
 
-    def _choose_long(self) -> tuple[int, bool]:
-        assert self.plan is not None
-        big, small = self.plan.big, self.plan.small
-        if big not in self.cost:
-            return big, True
-        if small not in self.cost:
-            return small, True
-        best = self._best()
-        if self.until_probe <= 0:
-            return (small if best == big else big), True
-        self.until_probe -= 1
-        return best, False
-
-    def _best(self) -> int:
-        assert self.plan is not None
-        big, small = self.plan.big, self.plan.small
-        return big if self.cost[big] <= CONTENTION_MARGIN * self.cost[small] else small
-
     def after_step(self, seconds: float) -> None:
-        """Record how long the step chosen by the last ``before_step`` took."""
-        if self._step is None or self.plan is None:
+        """Record how long the step set up by the last ``before_step`` took."""
+        if self._step is None:
             return
-        threads, flops, probe = self._step
-        sample = seconds / max(flops, 1.0)
-        if not probe:
-            self.cost[threads] += COST_EMA * (sample - self.cost[threads])
+        bucket, flops = self._step
+        cost = seconds / max(flops, 1.0)
+        best = self.best.get(bucket)
+        if best is not None and cost > CONTENTION_FACTOR * best:
+            self.fallback_steps = self.retry_gap
+            self.retry_gap = min(2 * self.retry_gap, MAX_RETRY_GAP)
             return
-        # A probe's fresh measurement replaces the old one: the machine may have changed.
-        self.cost[threads] = sample
-        if len(self.cost) == 2:
-            lost = self._best() != threads
-            self.probe_gap = min(2 * self.probe_gap, MAX_PROBE_GAP) if lost else MIN_PROBE_GAP
-            self.until_probe = self.probe_gap
+        self.retry_gap = MIN_RETRY_GAP
+        self.best[bucket] = cost if best is None else min(cost, best * (1 + BASELINE_DRIFT))
 
 
 def step_flops(num_params: int, num_tokens: int, attention_pairs: int, layers: int, heads: int,

@@ -1,4 +1,5 @@
-"""The contract between evenflow's processes: messages, codec, version. Depends on nothing else."""
+"""The contract between evenflow's processes: messages, codec, version (and ``hf_config``, the checkpoint
+config reader every part uses). Depends on nothing else."""
 
 from .codec import Codec, DecodeError, MAX_FRAME_BYTES
 from .messages import *  # noqa: F401,F403  (every message type is part of the public contract)

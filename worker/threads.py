@@ -18,10 +18,13 @@ A CPU worker shares its cores with the engine-core, the frontends and their sock
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("evenflow.worker.threads")
 
 # One core, as measured on a 2-core AVX2 EPYC: ~60 GFLOP/s of float32 GEMM, ~10 GB/s of weights
 # streamed by a decode step. Only their ratio to LONG_STEP_SECONDS matters, so rough is fine.
@@ -111,9 +114,14 @@ class ThreadSetter:
         cost = seconds / max(flops, 1.0)
         best = self.best.get(bucket)
         if best is not None and cost > CONTENTION_FACTOR * best:
+            assert self.plan is not None
+            log.warning("a %d-thread step took %.1fx its usual time per FLOP: a core is busy elsewhere; the next "
+                        "%d long steps run on %d threads", self.plan.big, cost / best, self.retry_gap, self.plan.small)
             self.fallback_steps = self.retry_gap
             self.retry_gap = min(2 * self.retry_gap, MAX_RETRY_GAP)
             return
+        if self.retry_gap != MIN_RETRY_GAP:
+            log.info("long steps run on every core again")
         self.retry_gap = MIN_RETRY_GAP
         self.best[bucket] = cost if best is None else min(cost, best * (1 + BASELINE_DRIFT))
 

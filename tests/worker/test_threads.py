@@ -63,7 +63,8 @@ def test_uncontended_long_steps_always_use_every_core(monkeypatch: pytest.Monkey
     assert fake.calls == [2, 1]
 
 
-def test_contention_falls_back_to_fewer_threads_and_recovers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_contention_falls_back_to_fewer_threads_and_recovers(monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
     FakeTorch(monkeypatch)
     setter = ThreadSetter(StepThreads(1, 2), TINY * 4)
     run_long_steps(setter, 20, {1: 0.06, 2: 0.04})
@@ -71,6 +72,7 @@ def test_contention_falls_back_to_fewer_threads_and_recovers(monkeypatch: pytest
     contended = run_long_steps(setter, 400, {1: 0.07, 2: 1.0})
     assert contended.count(2) <= 6  # one stall, then re-tries with a doubling gap
     assert contended[-50:] == [1] * 50
+    assert "a core is busy elsewhere" in caplog.text  # operators see why steps slowed
     # The core is free again: the next re-try succeeds and every core is used from then on.
     free = run_long_steps(setter, 600, {1: 0.06, 2: 0.04})
     assert free[-300:] == [2] * 300

@@ -71,9 +71,8 @@ class ThreadSetter:
     Long steps run on every core while that costs at most ``CONTENTION_FACTOR`` times the best
     per-FLOP cost seen for steps of the same size (log2 of the token count). When one costs more,
     a core is busy elsewhere: long steps drop to the short-step count for ``retry_gap`` of them,
-    then every core is tried again (the gap doubles while contention lasts). A retry that is slow
-    but still beats what the fewer threads cost means the whole machine got slower, not a core
-    taken: it becomes the new baseline. An uncontended machine never pays for a probe.
+    then every core is tried again (the gap doubles while contention lasts). An uncontended
+    machine never pays for a probe.
 
     ``weight_bytes``: what one step streams regardless of its size (this rank's weights).
     """
@@ -82,12 +81,10 @@ class ThreadSetter:
         self.plan = plan
         self.weight_seconds = weight_bytes / CORE_WEIGHT_BYTES_PER_S
         self.current = torch.get_num_threads()
-        # log2(tokens) -> seconds per FLOP: the best on every core, the running cost on fewer.
-        self.best: dict[int, float] = {}
-        self.fewer: dict[int, float] = {}
+        self.best: dict[int, float] = {}  # log2(tokens) -> best seconds per FLOP on every core
         self.fallback_steps = 0  # long steps left on fewer threads
         self.retry_gap = MIN_RETRY_GAP
-        self._step: tuple[int, float, bool] | None = None  # (size bucket, flops, on every core) of a long step
+        self._step: tuple[int, float] | None = None  # (size bucket, flops) of a long step on every core
 
     def is_long(self, flops: float) -> bool:
         return self.weight_seconds + flops / CORE_FLOPS >= LONG_STEP_SECONDS
@@ -100,12 +97,11 @@ class ThreadSetter:
             return
         wanted = plan.small
         if plan.big != plan.small and self.is_long(flops):
-            every_core = self.fallback_steps == 0
-            if every_core:
-                wanted = plan.big
-            else:
+            if self.fallback_steps > 0:
                 self.fallback_steps -= 1
-            self._step = (num_tokens.bit_length(), flops, every_core)
+            else:
+                wanted = plan.big
+                self._step = (num_tokens.bit_length(), flops)
         if wanted != self.current:
             torch.set_num_threads(wanted)
             self.current = wanted
@@ -114,30 +110,20 @@ class ThreadSetter:
         """Record how long the step set up by the last ``before_step`` took."""
         if self._step is None:
             return
-        bucket, flops, every_core = self._step
+        bucket, flops = self._step
         cost = seconds / max(flops, 1.0)
-        if not every_core:
-            fewer = self.fewer.get(bucket)
-            self.fewer[bucket] = cost if fewer is None else fewer + 0.25 * (cost - fewer)
-            return
         best = self.best.get(bucket)
         if best is not None and cost > CONTENTION_FACTOR * best:
-            fewer = self.fewer.get(bucket)
-            if fewer is None or cost > fewer:
-                self._fall_back(cost / best)
-                return
-            best = None  # slower, yet faster than fewer threads: the machine changed, start afresh
+            assert self.plan is not None
+            log.warning("a %d-thread step took %.1fx its usual time per FLOP: a core is busy elsewhere; the next "
+                        "%d long steps run on %d threads", self.plan.big, cost / best, self.retry_gap, self.plan.small)
+            self.fallback_steps = self.retry_gap
+            self.retry_gap = min(2 * self.retry_gap, MAX_RETRY_GAP)
+            return
         if self.retry_gap != MIN_RETRY_GAP:
             log.info("long steps run on every core again")
         self.retry_gap = MIN_RETRY_GAP
         self.best[bucket] = cost if best is None else min(cost, best * (1 + BASELINE_DRIFT))
-
-    def _fall_back(self, slowdown: float) -> None:
-        assert self.plan is not None
-        log.warning("a %d-thread step took %.1fx its usual time per FLOP: a core is busy elsewhere; the next %d "
-                    "long steps run on %d threads", self.plan.big, slowdown, self.retry_gap, self.plan.small)
-        self.fallback_steps = self.retry_gap
-        self.retry_gap = min(2 * self.retry_gap, MAX_RETRY_GAP)
 
 
 def step_flops(num_params: int, num_tokens: int, attention_pairs: int, layers: int, heads: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import sys
@@ -52,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     log.info("engine-core %s serving %s on %s (start-up %.1f s, overlap %s)", ready.engine_id,
              ready.model_name, cfg.listen, time.monotonic() - t0, "on" if cfg.async_scheduling else "off")
+    gc.freeze()  # start-up's objects live forever: keep full collections from rescanning them mid-step
     code = engine.run()
     log.info("engine-core exiting with code %d", code)
     return code

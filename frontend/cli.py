@@ -10,6 +10,7 @@ built-in demo model (random weights). Flags it does not know go to the engine-co
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -59,6 +60,7 @@ async def _run_frontend(args: argparse.Namespace) -> None:
         return ctx
 
     sock = reuseport_socket(args.host, args.port)
+    gc.freeze()  # start-up's objects (tokenizer, app) live forever: keep full collections from rescanning them
     log.info("serving %s (max_model_len %d) on http://%s:%d, engine %s", ctx.model_name, ctx.max_model_len,
              args.host, sock.getsockname()[1], args.engine)
     try:

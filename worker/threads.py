@@ -6,13 +6,13 @@ A CPU worker shares its cores with the engine-core, the frontends and their sock
   gains nothing there and, when it lands on a core the engine-core is using, the OpenMP barrier
   waits for it. A long step (a prefill chunk, a big model's decode) nearly halves with every core.
   So by default a step whose single-thread time is estimated above ``LONG_STEP_SECONDS`` runs on
-  every usable core, a shorter one leaves a core free. Measured on 2 cores, tiny model,
-  interference at budget 256: 1 thread ITL p50 9.2 / p99 49 ms, 2 threads 11.0 / 39 ms; this
-  plan 7.9 / 37 ms.
+  every usable core, a shorter one leaves a core free. One run on 2 cores, tiny model,
+  interference at budget 256 (docs/tuning.md, "Worker threads"): ITL p99 66.5 ms on 1 thread,
+  42.0 on 2, 45.2 with this plan, which also had the highest throughput.
 * All cores is a bet that they are free. When another process keeps a core busy, each of the
-  step's ~50 parallel regions waits a scheduler time slice for the descheduled thread: measured
-  with one busy-looping process beside the tiny model, 2-thread steps made p99 ITL 1.27 s against
-  61 ms on 1 thread. So ``ThreadSetter`` watches what long steps cost and leaves a core free for a
+  step's parallel regions waits a scheduler time slice for the descheduled thread: in one run with
+  a busy-looping process beside the tiny model, 2-thread steps made p99 ITL 1.27 s against 61 ms
+  on 1 thread. So ``ThreadSetter`` watches what long steps cost and leaves a core free for a
   while when one costs far more than usual (see its docstring).
 """
 

@@ -181,3 +181,14 @@ def test_server_commands_match_across_engines(tmp_path: Path) -> None:
     small = ServerConfig(model_dir=tmp_path, budget=64, max_model_len=2048)
     assert flag(evenflow_argv(small, 8000), "--max-num-seqs") == "64"
     assert flag(vllm_argv(small, 8000, tmp_path), "--max-num-seqs") == "64"
+
+
+def test_bench_cpu_kernels_quick() -> None:
+    """Both tables print, and the 4-D attention inputs reach the fused kernel (the 3-D ones do not)."""
+    proc = run_script("bench_cpu_kernels.py", ["--quick"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.split()[:3] == ["tiny", "1", "8"] for line in lines)
+    attention = {line.split("]")[0].strip(): line for line in lines if "D [" in line}
+    assert attention["3-D [H, n, D"].endswith("_scaled_dot_product_attention_math")
+    assert attention["4-D [1, H, n, D"].endswith("_scaled_dot_product_flash_attention_for_cpu")

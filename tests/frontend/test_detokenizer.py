@@ -30,8 +30,10 @@ def _byte_fallback_tokenizer() -> Tokenizer:
 BYTE_FALLBACK = _byte_fallback_tokenizer()
 
 
-def _stream(tok: Tokenizer, ids: list[int], chunks: list[int], skip_special: bool = True) -> str:
-    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special)
+def _stream(tok: Tokenizer, ids: list[int], chunks: list[int], skip_special: bool = True,
+            prompt: list[int] | None = None) -> str:
+    """Push ``ids`` in chunks of the given sizes (cycled) and return the text streamed out."""
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special, prompt_token_ids=prompt)
     out, i, c = [], 0, 0
     while i < len(ids):
         step = max(1, chunks[c % len(chunks)]) if chunks else 1
@@ -39,7 +41,7 @@ def _stream(tok: Tokenizer, ids: list[int], chunks: list[int], skip_special: boo
         i += step
         c += 1
     out.append(detok.flush())
-    assert detok.token_ids == ids
+    assert detok.token_ids == ids  # output ids only: a prompt given as context is not part of them
     return "".join(out)
 
 
@@ -96,16 +98,7 @@ def test_round_trip_of_real_text(demo_tokenizer: Tokenizer, text: str) -> None:
 
 
 def _stream_after(tok: Tokenizer, prompt: list[int], ids: list[int], chunks: list[int]) -> str:
-    detok = IncrementalDetokenizer(tok, prompt_token_ids=prompt)
-    out, i, c = [], 0, 0
-    while i < len(ids):
-        step = max(1, chunks[c % len(chunks)]) if chunks else 1
-        out.append(detok.push(ids[i:i + step]))
-        i += step
-        c += 1
-    out.append(detok.flush())
-    assert detok.token_ids == ids  # output ids only: the prompt context is not part of them
-    return "".join(out)
+    return _stream(tok, ids, chunks, prompt=prompt)
 
 
 def _reference_after(tok: Tokenizer, prompt: list[int], ids: list[int]) -> str:

@@ -129,8 +129,8 @@ class TorchPagedAttention(AttentionBackend):
             o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=g.mask, scale=self.scale)
             out[g.start : g.end] = o.reshape(b, self.num_heads * d)
         for c in plan.chunks:
-            # 4-D [1, H, n, D]: PyTorch's CPU flash kernel takes only batched inputs; 3-D inputs with a
-            # mask fall back to the math path, measured 2x slower on a 256 x 2048 chunk.
+            # 4-D [1, H, n, D]: PyTorch's fused CPU kernel takes only batched inputs; 3-D inputs with a
+            # mask fall back to the math path, 1.8x slower on a 256 x 2048 chunk (bench_cpu_kernels.py).
             qc = q[c.q_start : c.q_end].transpose(0, 1)[None]
             if c.block_ids is None:
                 kc = k[c.q_start : c.q_end].transpose(0, 1)[None]

@@ -5,12 +5,12 @@ The model calls ``kernel.prepare(weight)`` once per weight after loading and
 
 * ``TorchLinear``: ``F.linear`` on the weight as loaded (GPUs, and the fallback everywhere).
 * ``PackedCpuLinear`` (float32 on CPU): the weight reordered once into oneDNN's blocked layout.
-  ``F.linear`` re-packs the weight on every call from 2 rows up, which triples the memory traffic
-  of a decode step, and a decode step is bound by weight traffic. Measured on the 107M "small"
-  model (2-core AVX2 EPYC, a model's worth of distinct weights per pass): 8 rows 78 -> 48 ms on
-  1 thread, 56 -> 25 ms on 2; 2 rows 45 -> 30 ms; from ~64 rows (compute-bound) even. One row
-  is ~15% slower (22 -> 27 ms: the plain kernel is a GEMV there). The plain weight is released
-  once packed, so memory does not grow.
+  ``F.linear`` re-packs the weight on every call from 2 rows up, which multiplies the memory
+  traffic of a decode step, and a decode step is bound by weight traffic. Measured by
+  ``python scripts/bench_cpu_kernels.py`` (one pass over all of the 107M "small" model's
+  projections, 2-core AVX2 EPYC), packed / plain time: 8 rows 0.56 on 1 thread, 0.42 on 2;
+  2 rows 0.62 / 0.36; 264 rows (compute-bound) 1.04 / 1.03. One row on one thread is 1.14 (the
+  plain kernel is a GEMV there). The plain weight is released once packed, so memory does not grow.
 * ``UpcastCpuLinear`` (bf16/fp16 on a CPU without native support, e.g. AVX2): see its docstring.
 """
 

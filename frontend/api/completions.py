@@ -79,8 +79,10 @@ async def _stream(
             first[job.index] = False
             if is_first and echo:
                 text = echo[job.prompt_index] + text
-            elif not text and delta.finish_reason is None and not delta.logprobs and not req.return_token_ids:
-                continue  # nothing a client could see (e.g. a held-back partial character)
+            elif not text and not delta.token_ids and delta.finish_reason is None:
+                # Only a delta with nothing in it is skipped. A token whose text is held back (half a
+                # character, a possible stop string) gets a chunk with empty text, as vLLM streams.
+                continue
             logprobs = None
             if job.params.logprobs is not None and delta.logprobs is not None:
                 logprobs = completion_logprobs_json(delta.logprobs, prefix_len)

@@ -68,6 +68,20 @@ def test_streaming_with_stop_string_and_usage(http: TestClient, fake: FakeEngine
     assert fake.abort_messages == [fake.submitted[0][0]]  # by exactly one Abort (closing its stream)
 
 
+def test_every_token_gets_a_chunk_even_while_its_text_is_held_back(http: TestClient, fake: FakeEngineClient) -> None:
+    # "ö" and "€" span two and three byte-level tokens: their first tokens have no text of their own
+    # yet. As vLLM streams, each still gets a chunk (empty text), so clients see every token arrive.
+    n = len(fake.script)
+    events = _events(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": n, "stream": True}))
+    texts = [c["text"] for e in events for c in e["choices"]]
+    assert len(texts) == n and "".join(texts) == TEXT and texts.count("") >= 3
+    events = _events(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                             "max_tokens": n, "stream": True}))
+    deltas = [c["delta"] for e in events[1:] for c in e["choices"]]
+    assert len(deltas) == n and "".join(d["content"] for d in deltas) == TEXT
+    assert sum(d["content"] == "" for d in deltas) >= 3
+
+
 def test_n_choices_echo_and_logprobs(http: TestClient, fake: FakeEngineClient, demo_tokenizer: Tokenizer) -> None:
     r = http.post("/v1/completions", json={"prompt": ["ab", "cd"], "n": 2, "max_tokens": 3, "echo": True, "seed": 5})
     body = r.json()

@@ -13,6 +13,7 @@ alone. Servers never run at the same time: the cores belong to the one under tes
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ class Measurement:
     workload: str
     result: BenchResult | None
     error: str = ""
+    round: int = 0
 
 
 # (label, how to read it from a group, True when higher is better)
@@ -68,7 +70,8 @@ def read(group: GroupStats, path: str) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
-def measure_engine(args: argparse.Namespace, engine: str, workloads: list[str], vocab: int) -> list[Measurement]:
+def measure_engine(args: argparse.Namespace, engine: str, workloads: list[str], vocab: int,
+                   round_: int = 0) -> list[Measurement]:
     """Every budget x workload on ``engine``: one server per budget, workloads one after another."""
     out: list[Measurement] = []
     for budget in parse_budgets(args.budgets):
@@ -86,11 +89,11 @@ def measure_engine(args: argparse.Namespace, engine: str, workloads: list[str], 
                     print(format_engine(result))
                     if not args.save_requests:
                         result.records = []  # large; kept only when asked
-                    out.append(Measurement(engine, cfg.label, name, result))
+                    out.append(Measurement(engine, cfg.label, name, result, round=round_))
         except (RuntimeError, TimeoutError, OSError) as exc:
             print(f"{engine} budget {cfg.label} failed: {exc}", flush=True)
             missing = [w for w in workloads if not _has(out, engine, cfg.label, w)]
-            out += [Measurement(engine, cfg.label, w, None, str(exc)) for w in missing]
+            out += [Measurement(engine, cfg.label, w, None, str(exc), round_) for w in missing]
     return out
 
 
@@ -105,23 +108,39 @@ def focus_group(result: BenchResult) -> tuple[str, GroupStats]:
 
 
 def comparison_table(ms: list[Measurement], peer: str) -> str:
-    """Side by side per budget and workload: evenflow, the peer, and evenflow / peer."""
+    """Side by side per budget and workload: evenflow, the peer, and evenflow / peer.
+
+    With several rounds each engine's column is the median over its rounds, the ratio is of those
+    medians, and the ratio of every round follows (a run's noise shows in their spread)."""
     lines: list[str] = []
+    rounds = sorted({m.round for m in ms})
     keys = sorted({(m.budget, m.workload) for m in ms})
     for budget, workload in keys:
-        ours = next((m for m in ms if m.engine == "evenflow" and (m.budget, m.workload) == (budget, workload)), None)
-        theirs = next((m for m in ms if m.engine == peer and (m.budget, m.workload) == (budget, workload)), None)
-        lines.append(f"\nbudget {budget}, workload {workload}")
+        def pick(engine: str, r: int | None = None) -> list[Measurement]:
+            return [m for m in ms if m.engine == engine and (m.budget, m.workload) == (budget, workload)
+                    and (r is None or m.round == r)]
+
+        what = f" (median of {len(rounds)} rounds; ratio of each round after)" if len(rounds) > 1 else ""
+        lines.append(f"\nbudget {budget}, workload {workload}{what}")
         lines.append(f"{'':16}{'evenflow':>12}{peer:>12}{'ratio':>9}  goal")
         for label, path, higher_better in ROWS:
-            a = _value(ours, label, path)
-            b = _value(theirs, label, path)
+            a = _median(pick("evenflow"), label, path)
+            b = _median(pick(peer), label, path)
             ratio = f"{a / b:9.2f}" if (a is not None and b) else f"{'-':>9}"
             goal = ""
             if a is not None and b is not None and label in ("total tok/s", "ITL p99 ms", "ITL max ms"):
                 goal = "met" if ((a >= b) if higher_better else (a <= b)) else "MISSED"
-            lines.append(f"{label:16}{_fmt(a):>12}{_fmt(b):>12}{ratio}  {goal}")
+            per_round = ""
+            if len(rounds) > 1:
+                each = [(_median(pick("evenflow", r), label, path), _median(pick(peer, r), label, path)) for r in rounds]
+                per_round = " ".join(f"{x / y:.2f}" if x is not None and y else "-" for x, y in each)
+            lines.append(f"{label:16}{_fmt(a):>12}{_fmt(b):>12}{ratio}  {goal:6} {per_round}".rstrip())
     return "\n".join(lines)
+
+
+def _median(ms: list[Measurement], label: str, path: str) -> float | None:
+    values = [v for m in ms if (v := _value(m, label, path)) is not None]
+    return statistics.median(values) if values else None
 
 
 def _value(m: Measurement | None, label: str, path: str) -> float | None:
@@ -143,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     g = parser.add_argument_group("comparison")
     g.add_argument("--budgets", default="256", help="comma list; 'unchunked' allowed")
     g.add_argument("--workloads", default="interference", help="comma list of interference,poisson")
+    g.add_argument("--rounds", type=int, default=1,
+                   help="measure both engines this many times, alternating which goes first; the table "
+                        "shows medians and each round's ratio (this machine's noise is as large as the gaps)")
     g.add_argument("--out-dir", type=Path, default=Path("bench_results/peer"))
     args = parser.parse_args(argv)
     exit_on_sigterm()
@@ -157,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         engines.append("vllm")
     measurements: list[Measurement] = []
-    for engine in engines:
-        measurements += measure_engine(args, engine, workloads, vocab)
+    for round_ in range(max(args.rounds, 1)):
+        # Alternate who goes first, so a drift in the machine's speed does not favour one engine.
+        for engine in engines if round_ % 2 == 0 else engines[::-1]:
+            measurements += measure_engine(args, engine, workloads, vocab, round_)
 
     table = comparison_table(measurements, "vllm")
     print("\n(throughput over all requests; latencies of the steady streams in interference)" + table)

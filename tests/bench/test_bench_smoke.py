@@ -154,12 +154,18 @@ def test_bench_peer_side_by_side(fake_model_dir: Path, tmp_path: Path) -> None:
         "--peer-cmd", fake_server_cmd("--step-base-ms 6"), "--budgets", "256", "--workloads", "interference",
         "--duration", "1.2", "--steady-streams", "2", "--steady-output-len", "16", "--long-prompt-len", "300",
         "--long-first", "0.2", "--no-progress", "--out-dir", str(out_dir), "--log-dir", str(tmp_path / "logs"),
+        "--rounds", "2",
     ])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     table = (out_dir / "peer.txt").read_text()
-    assert "evenflow" in table and "vllm" in table and "ITL max ms" in table
-    engines = [m["engine"] for m in json.loads((out_dir / "peer.json").read_text())["measurements"]]
-    assert engines == ["evenflow", "vllm"]
+    assert "evenflow" in table and "vllm" in table and "median of 2 rounds" in table
+    # The fake peer's steps are slower (6 ms base): every round's throughput ratio says evenflow is ahead.
+    [tok_s] = [line.split() for line in table.splitlines() if line.startswith("total tok/s")]
+    assert len(tok_s) == 2 + 3 + 1 + 2 and all(float(r) > 1 for r in tok_s[-2:])
+    measurements = json.loads((out_dir / "peer.json").read_text())["measurements"]
+    # Rounds alternate which engine goes first.
+    assert [(m["engine"], m["round"]) for m in measurements] == [
+        ("evenflow", 0), ("vllm", 0), ("vllm", 1), ("evenflow", 1)]
 
 
 def test_bench_peer_without_peer_runs_evenflow_alone(fake_model_dir: Path, tmp_path: Path) -> None:

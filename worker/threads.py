@@ -35,6 +35,9 @@ LONG_STEP_SECONDS = 0.015
 # A long step on every core that costs this much more per FLOP than the best seen for steps of
 # its size means a core is taken: per-step estimates vary by well under 2x, contention costs 10x+.
 CONTENTION_FACTOR = 2.5
+# Consecutive such steps before falling back. One alone is more often a hiccup of the host (a
+# shared VM) than a busy core, and 16 long steps on fewer threads cost more than the hiccup did.
+CONTENTION_STREAK = 2
 # The best-seen cost creeps up by this fraction per step, so a lasting change of the machine
 # (other tenants, frequency) resets the baseline instead of reading as contention forever.
 BASELINE_DRIFT = 0.01
@@ -69,10 +72,10 @@ class ThreadSetter:
     """Picks each step's thread count (``before_step``) and learns from its time (``after_step``).
 
     Long steps run on every core while that costs at most ``CONTENTION_FACTOR`` times the best
-    per-FLOP cost seen for steps of the same size (log2 of the token count). When one costs more,
-    a core is busy elsewhere: long steps drop to the short-step count for ``retry_gap`` of them,
-    then every core is tried again (the gap doubles while contention lasts). An uncontended
-    machine never pays for a probe.
+    per-FLOP cost seen for steps of the same size (log2 of the token count). When
+    ``CONTENTION_STREAK`` in a row cost more, a core is busy elsewhere: long steps drop to the
+    short-step count for ``retry_gap`` of them, then every core is tried again (the gap doubles
+    while contention lasts). An uncontended machine never pays for a probe.
 
     ``weight_bytes``: what one step streams regardless of its size (this rank's weights).
     """
@@ -84,6 +87,7 @@ class ThreadSetter:
         self.best: dict[int, float] = {}  # log2(tokens) -> best seconds per FLOP on every core
         self.fallback_steps = 0  # long steps left on fewer threads
         self.retry_gap = MIN_RETRY_GAP
+        self.slow_streak = 0  # consecutive long steps over the contention factor
         self._step: tuple[int, float] | None = None  # (size bucket, flops) of a long step on every core
 
     def is_long(self, flops: float) -> bool:
@@ -114,12 +118,18 @@ class ThreadSetter:
         cost = seconds / max(flops, 1.0)
         best = self.best.get(bucket)
         if best is not None and cost > CONTENTION_FACTOR * best:
+            self.slow_streak += 1
+            # A retry after a fallback needs no confirmation: contention was already seen.
+            if self.slow_streak < CONTENTION_STREAK and self.retry_gap == MIN_RETRY_GAP:
+                return
             assert self.plan is not None
             log.warning("a %d-thread step took %.1fx its usual time per FLOP: a core is busy elsewhere; the next "
                         "%d long steps run on %d threads", self.plan.big, cost / best, self.retry_gap, self.plan.small)
             self.fallback_steps = self.retry_gap
             self.retry_gap = min(2 * self.retry_gap, MAX_RETRY_GAP)
+            self.slow_streak = 0
             return
+        self.slow_streak = 0
         if self.retry_gap != MIN_RETRY_GAP:
             log.info("long steps run on every core again")
         self.retry_gap = MIN_RETRY_GAP

@@ -70,13 +70,26 @@ def test_contention_falls_back_to_fewer_threads_and_recovers(monkeypatch: pytest
     run_long_steps(setter, 20, {1: 0.06, 2: 0.04})
     # Another process now keeps a core busy: steps on every core stall 25x.
     contended = run_long_steps(setter, 400, {1: 0.07, 2: 1.0})
-    assert contended.count(2) <= 6  # one stall, then re-tries with a doubling gap
+    assert contended.count(2) <= 7  # two stalls to confirm, then re-tries with a doubling gap
     assert contended[-50:] == [1] * 50
     assert "a core is busy elsewhere" in caplog.text  # operators see why steps slowed
     # The core is free again: the next re-try succeeds and every core is used from then on.
     free = run_long_steps(setter, 600, {1: 0.06, 2: 0.04})
     assert free[-300:] == [2] * 300
     assert setter.retry_gap == MIN_RETRY_GAP
+
+
+def test_one_slow_step_is_a_hiccup_not_contention(monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    # One bad step (the host paused the VM, say) must not cost the next 16 long steps a thread.
+    FakeTorch(monkeypatch)
+    setter = ThreadSetter(StepThreads(1, 2), TINY * 4)
+    used = run_long_steps(setter, 20, {1: 0.06, 2: 0.04})
+    for _ in range(3):
+        used += run_long_steps(setter, 1, {1: 0.06, 2: 1.0}) + run_long_steps(setter, 10, {1: 0.06, 2: 0.04})
+    assert used == [2] * len(used) and "busy elsewhere" not in caplog.text
+    # The hiccups did not become the baseline: two slow steps in a row still read as contention.
+    assert run_long_steps(setter, 3, {1: 0.07, 2: 1.0}) == [2, 2, 1]
 
 
 def test_setter_touches_torch_only_on_change(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -135,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--client-timeout", type=float, default=d.client_timeout,
       help="seconds of silence after which a frontend is dropped and its requests aborted")
     a("--worker-threads", type=int, default=None,
-      help="torch threads per worker for every step (default on CPU: steps of 64+ tokens use every core, "
-           "smaller ones leave one free; divided by tensor-parallel-size)")
+      help="torch threads per worker for every step (default on CPU: a step estimated to take 15 ms or more "
+           "on one thread uses every core, a shorter one leaves one free; divided by tensor-parallel-size)")
     return p
 
 

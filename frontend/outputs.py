@@ -79,6 +79,13 @@ class ChoiceDelta:
     stop_reason: int | str | None = None
     stopped_by_string: bool = False
 
+    @property
+    def is_empty(self) -> bool:
+        """No token, no text, no ending: nothing to stream. (A token whose text is held back --
+        half a character, a possible stop string -- is not empty: it streams with empty text,
+        as vLLM does, so clients see every token arrive.)"""
+        return not self.text and not self.token_ids and self.finish_reason is None
+
 
 @dataclass
 class ChoiceAssembler:

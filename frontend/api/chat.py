@@ -78,9 +78,7 @@ async def _stream(
                 opening.prompt_token_ids = job.prompt_token_ids
             yield sse_event(encode_json(opening))
         async for job, delta in gen.stream():
-            # A token whose text is held back (half a character, a possible stop string) still
-            # gets its chunk, with empty content, as vLLM streams: clients see every token arrive.
-            if not delta.text and not delta.token_ids and delta.finish_reason is None:
+            if delta.is_empty:
                 continue
             logprobs = chat_logprobs_json(delta.logprobs, top_n) if want_logprobs and delta.logprobs is not None else None
             content = ChatDelta(content=delta.text) if delta.text or delta.finish_reason is None else ChatDelta()

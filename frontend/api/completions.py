@@ -79,9 +79,7 @@ async def _stream(
             first[job.index] = False
             if is_first and echo:
                 text = echo[job.prompt_index] + text
-            elif not text and not delta.token_ids and delta.finish_reason is None:
-                # Only a delta with nothing in it is skipped. A token whose text is held back (half a
-                # character, a possible stop string) gets a chunk with empty text, as vLLM streams.
+            elif delta.is_empty:
                 continue
             logprobs = None
             if job.params.logprobs is not None and delta.logprobs is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from evenflow.protocol import SpeculativeConfig
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -23,6 +25,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0 = off; else the largest prefill chunk per step
     policy: str = "fcfs"  # or "priority": smaller value first, then arrival time
     enable_prefix_caching: bool = True
+    speculative_config: SpeculativeConfig | None = None  # None: no drafts
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value or combination."""

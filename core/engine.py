@@ -75,7 +75,8 @@ class EngineCore:
             seed=c.seed, block_size=c.block_size, max_model_len=self.max_model_len,
             max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
             attention_backend=c.attention_backend, kv_cache_memory=c.kv_cache_memory,
-            num_kv_blocks=c.num_kv_blocks, load_format=c.load_format, num_threads=c.worker_threads)
+            num_kv_blocks=c.num_kv_blocks, load_format=c.load_format, num_threads=c.worker_threads,
+            speculative_config=c.speculative_config)
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -94,7 +95,7 @@ class EngineCore:
             num_kv_blocks=num_blocks, max_num_batched_tokens=self.cfg.max_num_batched_tokens,
             max_num_seqs=self.cfg.max_num_seqs, max_model_len=self.max_model_len, block_size=self.block_size,
             long_prefill_token_threshold=self.cfg.long_prefill_token_threshold, policy=self.cfg.scheduling_policy,
-            enable_prefix_caching=self.cfg.enable_prefix_caching)
+            enable_prefix_caching=self.cfg.enable_prefix_caching, speculative_config=self.cfg.speculative_config)
         sched_cfg.validate()
         self.workers.init_kv_cache(num_blocks)
         self.scheduler = Scheduler(sched_cfg)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Sequence
 
-from evenflow.protocol import MAX_FRAME_BYTES
+from evenflow.protocol import MAX_FRAME_BYTES, SpeculativeConfig, parse_speculative_config
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7100"
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -46,6 +46,7 @@ class EngineConfig:
     worker_start_timeout: float = 600.0
     client_timeout: float = 3.0  # a frontend silent this long is dropped and its requests aborted
     worker_threads: int | None = None
+    speculative_config: SpeculativeConfig | None = None  # --speculative-config JSON, validated when parsed
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid value or combination."""
@@ -78,6 +79,8 @@ class EngineConfig:
             raise ConfigError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
         if self.worker_start_timeout <= 0 or self.client_timeout <= 0:
             raise ConfigError("--worker-start-timeout and --client-timeout must be positive")
+        if self.speculative_config is not None and (problem := self.speculative_config.validate()):
+            raise ConfigError(f"--speculative-config: {problem}")
         if not (Path(self.model).expanduser() / "config.json").is_file():
             raise ConfigError(f"--model {self.model!r} is not a folder with a config.json")
 
@@ -137,7 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
     a("--worker-threads", type=int, default=None,
       help="torch threads per worker for every step (default on CPU: a step estimated to take 15 ms or more "
            "on one thread uses every core, a shorter one leaves one free; divided by tensor-parallel-size)")
+    a("--speculative-config", type=_speculative_config, default=None,
+      help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
+           '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (optional "disable_by_batch_size": N: '
+           'no drafts while N or more requests run)')
     return p
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return parse_speculative_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> EngineConfig:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import msgspec
 from msgspec import Struct
 
+from .speculative import SpeculativeConfig
+
 # --------------------------------------------------------------------------------------------
 # Shared
 # --------------------------------------------------------------------------------------------
@@ -137,7 +139,10 @@ class ModelRunnerOutput(Struct, tag="mro", array_like=True):
     step_id: int
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    logprobs: list[TokenLogprobs | None] | None = None
+    # Per request, one TokenLogprobs per sampled token (speculation may emit several per step).
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+    # Per request, the drafts proposed after this step (known only to the worker with overlap on;
+    # the engine-core uses their count to reserve budget when overlap is off).
     spec_token_ids: list[list[int]] | None = None
     # Worker-side timing of this step in seconds: input building, forward, sampling.
     prepare_s: float = 0.0
@@ -146,6 +151,8 @@ class ModelRunnerOutput(Struct, tag="mro", array_like=True):
     # Seconds rank 0 sat idle waiting for this step's SchedulerOutput after finishing the previous
     # step (filled by the worker process loop, not the model runner).
     wait_s: float = 0.0
+    # Per request, how many drafts this step verified (<= its draft slots; None: no speculation).
+    num_draft_tokens: list[int] | None = None
 
 
 class WorkerConfig(Struct, forbid_unknown_fields=True):
@@ -169,6 +176,7 @@ class WorkerConfig(Struct, forbid_unknown_fields=True):
     engine_input_addr: str = ""  # where SchedulerOutputs come from (engine binds PUB/PUSH)
     engine_output_addr: str = ""  # where results go (engine binds PULL)
     num_threads: int | None = None
+    speculative_config: SpeculativeConfig | None = None
 
 
 class WorkerReady(Struct, tag="worker_ready", array_like=True):
@@ -296,6 +304,11 @@ class SchedulerStats(Struct, array_like=True):
     worker_forward_s: float = 0.0  # cumulative worker seconds in the forward pass
     worker_sample_s: float = 0.0  # cumulative worker seconds sampling
     worker_idle_s: float = 0.0  # cumulative seconds the engine had no step in flight
+    # Speculative decoding, cumulative (vLLM's spec_decode_* counters).
+    spec_decode_num_drafts: int = 0  # (request, step) pairs that verified at least one draft
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []  # index i: drafts accepted at position i
 
 
 class Outputs(Struct, tag="outputs", array_like=True):

@@ -63,7 +63,8 @@ def run_jobs(runner: ModelRunner, jobs: list[Job], num_blocks: int, budget: int 
     sched = Scheduler(SchedulerConfig(num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
                                       max_model_len=max_model_len or runner.config.max_model_len,
                                       block_size=runner.block_size,
-                                      enable_prefix_caching=enable_prefix_caching))
+                                      enable_prefix_caching=enable_prefix_caching,
+                                      speculative_config=runner.config.speculative_config))
     result = RunResult({j.req_id: [] for j in jobs})
     pending = sorted(jobs, key=lambda j: j.arrive_step)
     in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput | None]] = []

@@ -27,6 +27,8 @@ class Job:
 class RunResult:
     outputs: dict[str, list[int]]
     steps: list[SchedulerOutput] = field(default_factory=list)
+    num_draft_tokens: int = 0  # drafts the worker verified
+    num_accepted_drafts: int = 0
 
     @property
     def num_preemptions(self) -> int:
@@ -91,5 +93,9 @@ def run_jobs(runner: ModelRunner, jobs: list[Job], num_blocks: int, budget: int 
 def _apply(sched: Scheduler, done: tuple[SchedulerOutput, ModelRunnerOutput | None], result: RunResult) -> None:
     so, mro = done
     assert mro is not None and mro.step_id == so.step_id
+    if mro.num_draft_tokens is not None:
+        verified = [(d, len(t)) for d, t in zip(mro.num_draft_tokens, mro.sampled_token_ids) if d]
+        result.num_draft_tokens += sum(d for d, _ in verified)
+        result.num_accepted_drafts += sum(n - 1 for _, n in verified)
     for out in sched.update_from_output(so, mro):
         result.outputs[out.request_id].extend(out.new_token_ids)

@@ -37,16 +37,17 @@ def num_slots(result: RunResult) -> int:
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("budget", [5, 13, 2048])
+@pytest.mark.parametrize("budget", [5, 13])
 def test_greedy_equals_reference(spec_runner: ModelRunner, tiny_llama: Path, overlap: bool, budget: int) -> None:
     jobs = [
-        Job(f"a-{budget}-{overlap}", copy_prompt(1, 24), 20),
-        Job(f"b-{budget}-{overlap}", copy_prompt(2, 11), 16, arrive_step=2),
+        # This random model's greedy output after copy_prompt(2, 12) falls into short loops.
+        Job(f"a-{budget}-{overlap}", copy_prompt(2, 12), 50),
+        Job(f"b-{budget}-{overlap}", copy_prompt(1, 11), 16, arrive_step=2),
         Job(f"c-{budget}-{overlap}", copy_prompt(3, 40), 12, arrive_step=4),
     ]
     result = run_jobs(spec_runner, jobs, num_blocks=256, budget=budget, overlap=overlap)
     assert max(s.total_num_scheduled_tokens for s in result.steps) <= budget
-    assert num_slots(result) > 0
+    assert num_slots(result) > 0 and 0 < result.num_accepted_drafts < result.num_draft_tokens
     assert result.outputs == expect(tiny_llama, jobs)
 
 

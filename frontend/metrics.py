@@ -226,6 +226,16 @@ def render_prometheus(s: MetricsSnapshot, model_name: str) -> str:
            e.worker_forward_s)
     metric("evenflow:worker_idle_seconds_total", "counter",
            "Seconds the workers waited on the engine-core while it had work.", e.worker_idle_s)
+    # Speculative decoding (vLLM's names): drafts = (request, step) pairs that verified drafts.
+    metric("evenflow:spec_decode_num_drafts_total", "counter", "Speculative drafts verified.", e.spec_decode_num_drafts)
+    metric("evenflow:spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.",
+           e.spec_decode_num_draft_tokens)
+    metric("evenflow:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+           e.spec_decode_num_accepted_tokens)
+    name = "evenflow:spec_decode_num_accepted_tokens_per_pos_total"
+    out.append(f"# HELP {name} Draft tokens accepted, by position in the draft.\n# TYPE {name} counter")
+    out.extend(f'{name}{{{label},position="{pos}"}} {count}'
+               for pos, count in enumerate(e.spec_decode_num_accepted_tokens_per_pos))
     for name, help_text in COUNTERS.items():
         metric(name, "counter", help_text, s.counters.get(name, 0.0))
     name = "evenflow:request_success_total"

@@ -1,0 +1,20 @@
+"""The speculative decoding counters in /metrics, with vLLM's names."""
+
+from __future__ import annotations
+
+from evenflow.frontend.metrics import FrontendMetrics
+from evenflow.protocol import SchedulerStats
+
+
+def test_spec_decode_counters_are_rendered() -> None:
+    m = FrontendMetrics("demo")
+    m.set_engine_stats(SchedulerStats(spec_decode_num_drafts=4, spec_decode_num_draft_tokens=10,
+                                      spec_decode_num_accepted_tokens=6,
+                                      spec_decode_num_accepted_tokens_per_pos=[4, 2, 0]))
+    lines = m.render().splitlines()
+    for name, value in [("drafts", 4), ("draft_tokens", 10), ("accepted_tokens", 6)]:
+        assert f'evenflow:spec_decode_num_{name}_total{{model_name="demo"}} {value}' in lines
+    assert "# TYPE evenflow:spec_decode_num_accepted_tokens_per_pos_total counter" in lines
+    for position, value in enumerate([4, 2, 0]):
+        assert (f'evenflow:spec_decode_num_accepted_tokens_per_pos_total{{model_name="demo",position="{position}"}} '
+                f"{value}") in lines

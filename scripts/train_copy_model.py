@@ -4,9 +4,7 @@ Random weights do not copy text, so n-gram drafts on them say little. This train
 few minutes of one core, a model on sequences made of random content (marker ``COPY``) followed
 by a span of that content again, from a random offset. Only the repeat is scored: the one way to
 predict it is to find the current token earlier and take the one after it, so the model forms
-induction heads, the mechanism that makes real LLMs quote their prompt. ``free_sequence`` (marker
-``FREE``, a walk of a fixed random Markov chain) is not trained on; the benchmark uses it as text
-where nothing repeats on purpose.
+induction heads, the mechanism that makes real LLMs quote their prompt.
 
 It saves a HuggingFace folder (config.json + model.safetensors, float32), loadable by evenflow and
 transformers. No tokenizer: benchmarks send token ids.
@@ -27,36 +25,6 @@ VOCAB = 256
 EOS, COPY, FREE = 0, 1, 2
 FIRST_CONTENT = 4  # ids below are special
 SEQ_LEN = 64
-
-
-def markov_table(seed: int = 7, fanout: int = 12) -> tuple[np.ndarray, np.ndarray]:
-    """Each content token's successors (``fanout`` of them) and their probabilities."""
-    rng = np.random.default_rng(seed)
-    successors = rng.integers(FIRST_CONTENT, VOCAB, size=(VOCAB, fanout))
-    probs = rng.dirichlet(np.full(fanout, 0.7), size=VOCAB)
-    return successors, probs
-
-
-def copy_sequence(rng: np.random.Generator, length: int) -> tuple[np.ndarray, int]:
-    """COPY, random content, then the content again from a random offset (to the end), and the
-    index where the repeat starts."""
-    content_len = int(rng.integers(length // 3, length // 2 + 8))
-    content = rng.integers(FIRST_CONTENT, VOCAB, size=content_len)
-    offset = int(rng.integers(0, content_len // 2))
-    tail = np.resize(content[offset:], length - 1 - content_len)
-    return np.concatenate([[COPY], content, tail]), 1 + content_len
-
-
-def free_sequence(rng: np.random.Generator, length: int, table: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """FREE, then a walk of the Markov chain."""
-    successors, probs = table
-    out = np.empty(length, dtype=np.int64)
-    out[0] = FREE
-    token = int(rng.integers(FIRST_CONTENT, VOCAB))
-    for i in range(1, length):
-        out[i] = token
-        token = int(successors[token, rng.choice(successors.shape[1], p=probs[token])])
-    return out
 
 
 def batch(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:

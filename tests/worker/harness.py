@@ -28,6 +28,7 @@ class RunResult:
     outputs: dict[str, list[int]]
     steps: list[SchedulerOutput] = field(default_factory=list)
     num_draft_tokens: int = 0  # drafts the worker verified
+    logprobs: dict[str, list] = field(default_factory=dict)  # TokenLogprobs per token, when asked
     num_accepted_drafts: int = 0
 
     @property
@@ -99,3 +100,5 @@ def _apply(sched: Scheduler, done: tuple[SchedulerOutput, ModelRunnerOutput | No
         result.num_accepted_drafts += sum(n - 1 for _, n in verified)
     for out in sched.update_from_output(so, mro):
         result.outputs[out.request_id].extend(out.new_token_ids)
+        if out.logprobs is not None:
+            result.logprobs.setdefault(out.request_id, []).extend(out.logprobs)

@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
-from evenflow.protocol import SpeculativeConfig
+from evenflow.protocol import SamplingParams, SpeculativeConfig
 from evenflow.worker.runner import ModelRunner
 
 from tests.checkpoints import reference_greedy
@@ -58,3 +58,15 @@ def test_greedy_with_preemption_and_prefix_cache(spec_runner: ModelRunner, tiny_
     result = run_jobs(spec_runner, jobs, num_blocks=10, budget=32, overlap=overlap, max_model_len=64)
     assert result.num_preemptions > 0
     assert result.outputs == expect(tiny_llama, jobs)
+
+
+def test_every_emitted_token_has_its_logprobs(spec_runner: ModelRunner, tiny_llama: Path) -> None:
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
+    job = Job("logprobs", copy_prompt(2, 12), 30, params=params)
+    result = run_jobs(spec_runner, [job], num_blocks=256, overlap=True)
+    assert result.num_accepted_drafts > 0  # some steps emitted several tokens
+    tokens, logprobs = result.outputs["logprobs"], result.logprobs["logprobs"]
+    assert tokens == reference_greedy(tiny_llama, job.prompt, 30) and len(logprobs) == len(tokens)
+    for token, lp in zip(tokens, logprobs):
+        assert lp.token_ids[0] == token and lp.sampled_rank == 1 and len(lp.token_ids) == 3
+        assert lp.token_ids[1] == token and lp.logprobs[0] == lp.logprobs[1]  # greedy: the top token

@@ -27,6 +27,16 @@ FIRST_CONTENT = 4  # ids below are special
 SEQ_LEN = 64
 
 
+def copy_sequence(rng: np.random.Generator, length: int) -> tuple[np.ndarray, int]:
+    """COPY, random content, then the content again from a random offset (to the end), and the
+    index where the repeat starts."""
+    content_len = int(rng.integers(length // 3, length // 2 + 8))
+    content = rng.integers(FIRST_CONTENT, VOCAB, size=content_len)
+    offset = int(rng.integers(0, content_len // 2))
+    tail = np.resize(content[offset:], length - 1 - content_len)
+    return np.concatenate([[COPY], content, tail]), 1 + content_len
+
+
 def batch(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:
     """Copy sequences, and labels only where the next token is predictable (the repeat)."""
     sequences = [copy_sequence(rng, SEQ_LEN) for _ in range(size)]

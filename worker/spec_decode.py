@@ -102,6 +102,13 @@ class NgramDrafter:
         """Propose for ``reqs``, write the drafts after their tokens; return the counts."""
         if not reqs:
             return np.zeros(0, dtype=np.int64)
+        threshold = self.config.disable_by_batch_size
+        if threshold is not None and len(reqs) >= threshold:
+            # The engine-core gives no slots at this load (its rule counts running requests);
+            # any it does give are simply left empty. Stale drafts are dropped.
+            for state in reqs:
+                state.num_drafts = 0
+            return np.zeros(len(reqs), dtype=np.int64)
         rows = np.fromiter((s.row for s in reqs), dtype=np.int64, count=len(reqs))
         lengths = np.fromiter((s.num_tokens for s in reqs), dtype=np.int64, count=len(reqs))
         limits = self.draft_limits(reqs)

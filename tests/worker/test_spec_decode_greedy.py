@@ -70,3 +70,14 @@ def test_every_emitted_token_has_its_logprobs(spec_runner: ModelRunner, tiny_lla
     for token, lp in zip(tokens, logprobs):
         assert lp.token_ids[0] == token and lp.sampled_rank == 1 and len(lp.token_ids) == 3
         assert lp.token_ids[1] == token and lp.logprobs[0] == lp.logprobs[1]  # greedy: the top token
+
+
+def test_disable_by_batch_size_stops_drafting_under_load(tiny_llama: Path) -> None:
+    spec = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=2)
+    runner = make_runner(tiny_llama, num_blocks=256, block_size=8, speculative_config=spec)
+    pair = [Job(f"load-{i}", copy_prompt(2, 12), 30) for i in range(2)]
+    busy = run_jobs(runner, pair, num_blocks=256, overlap=True)
+    assert busy.num_draft_tokens == 0 and not any(s.scheduled_spec_decode_tokens for s in busy.steps)
+    alone = run_jobs(runner, [Job("alone", copy_prompt(2, 12), 30)], num_blocks=256, overlap=True)
+    assert alone.num_accepted_drafts > 0
+    assert busy.outputs["load-0"] == busy.outputs["load-1"] == alone.outputs["alone"]

@@ -28,7 +28,7 @@ class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True):
 
     ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k. ``logprobs`` is the number of
     top alternatives to report per sampled token (``None``: no logprobs at all; ``0``: only the
-    sampled token's own logprob).
+    sampled token's own logprob). The range rules live in ``protocol/validation.py``.
     """
 
     max_tokens: int = 16
@@ -44,34 +44,6 @@ class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None
-
-    def validate(self, vocab_size: int | None = None) -> str | None:
-        """Return a message naming the first bad field, or None when the params are usable."""
-        if self.max_tokens < 1:
-            return f"max_tokens must be >= 1, got {self.max_tokens}"
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            return f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-        if not (0.0 <= self.temperature < float("inf")):
-            return f"temperature must be finite and >= 0, got {self.temperature}"
-        if not (0.0 < self.top_p <= 1.0):
-            return f"top_p must be in (0, 1], got {self.top_p}"
-        if self.top_k < -1:
-            return f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"
-        if not (0.0 <= self.min_p <= 1.0):
-            return f"min_p must be in [0, 1], got {self.min_p}"
-        if not (-2.0 <= self.presence_penalty <= 2.0):
-            return f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
-        if not (-2.0 <= self.frequency_penalty <= 2.0):
-            return f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
-        if not (self.repetition_penalty > 0.0):
-            return f"repetition_penalty must be > 0, got {self.repetition_penalty}"
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            return f"logprobs must be in [0, 20], got {self.logprobs}"
-        if vocab_size is not None:
-            for t in self.stop_token_ids:
-                if not (0 <= t < vocab_size):
-                    return f"stop_token_ids contains {t}, outside the vocabulary [0, {vocab_size})"
-        return None
 
 
 class TokenLogprobs(Struct, array_like=True):

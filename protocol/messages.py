@@ -231,6 +231,8 @@ class Ready(Struct, tag="ready", array_like=True):
     max_num_batched_tokens: int
     engine_id: str
     max_frame_bytes: int = 0  # the engine's --max-frame-bytes; 0 = unknown (an older engine)
+    # Other names the model answers to (the folder's base name when no --served-model-name was given).
+    model_aliases: list[str] = []
 
 
 class RequestOutput(Struct, array_like=True, omit_defaults=True):

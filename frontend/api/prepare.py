@@ -238,6 +238,6 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-def check_model(requested: str | None, served: set[str]) -> None:
+def check_model(requested: str | None, served: list[str] | set[str]) -> None:
     if requested is not None and requested not in served:
-        raise APIError(404, f"The model `{requested}` does not exist. Served: {', '.join(sorted(served))}.", "model")
+        raise APIError(404, f"The model `{requested}` does not exist. Served: {', '.join(served)}.", "model")

@@ -355,9 +355,10 @@ def test_add_request_rejects_duplicates_and_bad_prompts() -> None:
     ("overrides", "message"),
     [
         (dict(num_kv_blocks=0), "num_kv_blocks"),
-        (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
-        (dict(policy="lifo"), "policy"),
-        (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
+        (dict(max_num_batched_tokens=0), "--max-num-batched-tokens"),
+        (dict(policy="lifo"), "--scheduling-policy must be one of fcfs, priority"),
+        (dict(long_prefill_token_threshold=-1), "--long-prefill-token-threshold"),
+        (dict(block_size=12), "power of two"),
         (dict(num_kv_blocks=3, block_size=16, max_model_len=64), "max_model_len"),
     ],
 )

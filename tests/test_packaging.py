@@ -14,7 +14,8 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parent.parent
 # Imported only behind a skip or an availability check (CUDA-only kernels, the GPU extra).
-OPTIONAL = {"flash_attn": "cuda", "triton": "test"}
+OPTIONAL = {"flash_attn": "cuda", "triton": "test",
+            "vllm": "the peer's own venv (docs/peer.md), for scripts/vllm_cli.py"}
 
 
 def _imported_top_modules(paths: list[Path]) -> set[str]:

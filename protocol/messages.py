@@ -270,6 +270,7 @@ class SchedulerStats(Struct, array_like=True):
     worker_forward_s: float = 0.0  # cumulative worker seconds in the forward pass
     worker_sample_s: float = 0.0  # cumulative worker seconds sampling
     worker_idle_s: float = 0.0  # cumulative seconds the engine had no step in flight
+    num_scheduled_tokens: int = 0  # cumulative sum of every step's scheduled tokens (recomputation included)
 
 
 class Outputs(Struct, tag="outputs", array_like=True):

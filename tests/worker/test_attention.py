@@ -156,7 +156,8 @@ def test_triton_kernel_in_interpreter_mode() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def cuda(test):  # noqa: ANN001, ANN201  (a decorator: the `cuda` marker, skipped without a device)
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 HALF_ATOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -164,8 +165,8 @@ HALF_ATOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 @cuda
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("long", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
 def test_triton_backend_on_cuda(dtype: torch.dtype, long: bool) -> None:
     from evenflow.worker.attention.triton_paged import TritonPagedAttention
 
@@ -174,16 +175,16 @@ def test_triton_backend_on_cuda(dtype: torch.dtype, long: bool) -> None:
 
 
 @cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("long", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
 def test_torch_backend_on_cuda(dtype: torch.dtype, long: bool) -> None:
     check_backend(TorchPagedAttention, 16, "cuda", atol=HALF_ATOL[dtype], dtype=dtype, long=long)
 
 
 @cuda
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn is not installed")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("long", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
 def test_flash_backend_on_cuda(dtype: torch.dtype, long: bool) -> None:
     from evenflow.worker.attention.flash import FlashAttention
 

@@ -113,14 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
       help="turn off prefix caching")
     a("--kv-cache-memory", type=parse_size, default=None,
-      help="KV cache bytes per worker (e.g. 2GiB; default: measured free memory)")
+      help="KV cache bytes per worker, on CPU and CUDA (e.g. 2GiB; default: CPU a share of free RAM, "
+           "CUDA 90%% of the device after the weights and the largest step)")
     a("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides sizing)")
     a("--dtype", default=d.dtype, help="model dtype: auto, float32, float16, bfloat16")
     a("--device", default=d.device, help="worker device: auto, cpu, cuda")
     a("--seed", type=int, default=d.seed, help="random seed of the workers")
     a("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, help="worker processes (ranks)")
     a("--attention-backend", default=d.attention_backend, choices=("auto", "torch", "triton", "flash_attn"),
-      help="attention kernels: auto picks flash_attn or triton on CUDA, torch on CPU")
+      help="attention kernels: auto picks flash_attn on CUDA when it imports and is >= 2.5.7 (half precision), "
+           "else triton on CUDA, torch on CPU")
     a("--no-async-scheduling", dest="async_scheduling", action="store_false",
       help="turn off overlap (schedule step N+1 only after step N's results)")
     a("--load-format", choices=("auto", "dummy"), default=d.load_format,

@@ -135,10 +135,18 @@ class ModelRunner:
         for q_lens, ctx_lens in warmup_shapes(c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len,
                                               self.block_size):
             step = synthetic_step(q_lens, ctx_lens, self.block_size, self.device)
+            # The real cache's first blocks when it has them (no request holds a block yet, and they
+            # are zeroed again below), so the warm-up needs no memory beyond what was sized.
+            borrowed = bool(self.kv_caches) and step.num_blocks <= self.kv_caches[0][0].shape[0]
+            caches = self.kv_caches if borrowed else self._scratch_caches(step.num_blocks)
             with torch.inference_mode():
-                logits = self._run_synthetic(step, self._scratch_caches(step.num_blocks))
+                logits = self._run_synthetic(step, caches)
                 self.sampler(logits, heaviest_sampling(len(q_lens), self.vocab_size, self.eos_token_ids, self.device))
                 self.sampler(logits, SamplingMetadata(num_reqs=len(q_lens), vocab_size=self.vocab_size))  # greedy
+                if borrowed:
+                    for k_cache, v_cache in caches:
+                        k_cache[: step.num_blocks].zero_()
+                        v_cache[: step.num_blocks].zero_()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

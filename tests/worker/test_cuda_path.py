@@ -163,6 +163,7 @@ def test_warm_up_reaches_both_query_tiles_and_profiling_runs_the_sampler(tiny_ll
     monkeypatch.setattr(runner, "sampler", lambda logits, meta: sampled.append(meta.num_reqs) or real_sampler(logits, meta))
     runner.warm_up()
     assert min(planned) <= 16 < max(planned)  # Triton's 16-row and 64-row query tiles
+    assert all(not k.any() and not v.any() for k, v in runner.kv_caches)  # the borrowed blocks are zero again
     planned.clear()
     sampled.clear()
     runner.profile_forward()

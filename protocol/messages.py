@@ -70,8 +70,8 @@ class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True):
             return f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             return f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
-        if not (self.repetition_penalty > 0.0):
-            return f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+        if not (0.0 < self.repetition_penalty < float("inf")):
+            return f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"
         if self.seed is not None and not (INT64_MIN <= self.seed <= INT64_MAX):  # built in Python, not decoded
             return f"seed must be an int64, got {self.seed}"
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):

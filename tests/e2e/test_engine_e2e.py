@@ -195,7 +195,9 @@ def test_malformed_frames_and_invalid_requests_get_errors(engine: EngineProcess,
         assert isinstance(ask(codec.encode(Hello(PROTOCOL_VERSION, "raw"))), Ready)
         assert error_of(os.urandom(64)).code == "bad_frame"
         assert error_of(msgspec.msgpack.encode(["launch_missiles", 1])).code == "bad_frame"
-        assert error_of(msgspec.msgpack.encode(["request", "r", "not a list"])).code == "bad_frame"
+        not_a_list = error_of(msgspec.msgpack.encode(["request", "r", "not a list"]))  # the id is readable
+        assert (not_a_list.code, not_a_list.request_id) == ("invalid_request", "r")
+        assert not_a_list.message.startswith("prompt_token_ids")
         assert error_of(b"\x00" * 70000).code == "bad_frame"  # over --max-frame-bytes 65536
         neg = error_of(codec.encode(AddRequest("n", [1, 2], SamplingParams(max_tokens=-1))))
         assert (neg.code, neg.request_id) == ("invalid_request", "n") and "max_tokens" in neg.message

@@ -284,6 +284,19 @@ def test_spec_only_wire_client_streams_greedy_tokens(engine: EngineProcess, tiny
     assert "finished: length" in run.stderr
 
 
+def test_spec_only_wire_client_checks_every_rule_of_the_readme(tiny_llama: Path, tmp_path: Path) -> None:
+    eng = start_engine(tiny_llama, tmp_path, *BASE_FLAGS, "--num-kv-blocks", "64", "--client-timeout", "1")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "wire_client.py"
+    try:
+        run = subprocess.run([sys.executable, str(script), "--engine", eng.address, "--check", "--client-timeout",
+                              "1"], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        lines = run.stdout.splitlines()
+        assert len(lines) == 13 and all(line.startswith("ok ") for line in lines), run.stdout
+    finally:
+        eng.stop()
+
+
 def test_workers_exit_when_the_engine_core_is_killed(tiny_llama: Path, tmp_path: Path) -> None:
     eng = start_engine(tiny_llama, tmp_path, *BASE_FLAGS, "--num-kv-blocks", "64")
     try:

@@ -1,4 +1,4 @@
-"""Two-stage decoding of a frontend's ``request``, so a refusal can name the request.
+"""Two-stage decoding of a frontend's refused ``request``, so the refusal can name the request.
 
 Stage 1 decodes the frame against the frontend union with ``request`` replaced by an envelope:
 the same tag and arity, ``request_id`` a string, every other field kept as raw msgpack bytes (a
@@ -59,11 +59,20 @@ def open_envelope(envelope: msgspec.Struct) -> AddRequest:
 
 
 class EngineCodec(Codec[FrontendToEngine]):
-    """The engine-core's frontend codec: decodes ``request`` in two stages (see the module doc)."""
+    """The engine-core's frontend codec. A valid frame is decoded in one pass, as by a plain
+    ``Codec``; only a refused one is decoded again in two stages (see the module doc), to find
+    the request id, so the common path costs nothing extra."""
 
     def __init__(self, max_frame_bytes: int) -> None:
-        super().__init__(_WIRE_UNION, max_frame_bytes)
+        super().__init__(FrontendToEngine, max_frame_bytes)
+        self._envelopes: Codec[FrontendToEngine] = Codec(_WIRE_UNION, max_frame_bytes)
 
     def decode(self, frame: bytes | memoryview) -> FrontendToEngine:
-        msg = super().decode(frame)
-        return open_envelope(msg) if isinstance(msg, RequestEnvelope) else msg
+        try:
+            return super().decode(frame)
+        except DecodeError as whole:
+            try:
+                msg = self._envelopes.decode(frame)
+            except DecodeError:
+                raise whole from None  # not even the envelope decodes: the id cannot be read
+            return open_envelope(msg) if isinstance(msg, RequestEnvelope) else msg

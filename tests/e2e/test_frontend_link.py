@@ -203,6 +203,15 @@ def test_hello_again_keeps_the_clients_live_requests(peer: Peer, link: FrontendL
     assert link.inbox.empty()  # no ClientGone
 
 
+def test_wrong_version_hello_from_a_registered_client_changes_nothing(peer: Peer, link: FrontendLink) -> None:
+    peer.hello()
+    peer.send(Hello(PROTOCOL_VERSION + 1, "confused"))
+    assert expect_error(peer, "version_mismatch").fatal
+    peer.send(Heartbeat())
+    assert isinstance(peer.recv(), Outputs)  # still registered
+    assert link.inbox.empty()
+
+
 def test_multipart_message_is_refused(peer: Peer) -> None:
     peer.hello()
     peer.sock.send_multipart([msgspec.msgpack.encode(Heartbeat()), b"extra"])

@@ -119,12 +119,16 @@ def check_sampling_ranges(c: Conn, ready: list, args: argparse.Namespace) -> Non
              ({"temperature": math.inf}, "temperature"), ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
              ({"logprobs": 21}, "logprobs"), ({"stop_token_ids": [vocab_size]}, "stop_token_ids"),
              ({"seed": 2**64 - 1}, "seed"), ({"repetition_penalty": math.inf}, "repetition_penalty"),
-             ({"top_p": 0.0}, "top_p"), ({"max_tokens": 0}, "max_tokens")]
+             ({"top_p": 0.0}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"top_k": -2}, "top_k"),
+             ({"min_p": 1.5}, "min_p"), ({"presence_penalty": 2.5}, "presence_penalty"),
+             ({"frequency_penalty": -2.5}, "frequency_penalty"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+             ({"max_tokens": ready[4]}, "max_model_len")]
     for i, (params, key) in enumerate(cases):
         message = expect_error(c.ask(["request", f"r{i}", [1], params]), "invalid_request", f"r{i}")
         assert key in message, (params, message)
     edges = {"max_tokens": 2, "min_tokens": 2, "logprobs": 20, "stop_token_ids": [vocab_size - 1],
-             "seed": INT64_MAX, "temperature": 0.0}
+             "seed": INT64_MAX, "temperature": 0.0, "top_k": -1, "min_p": 1.0, "presence_penalty": 2.0,
+             "frequency_penalty": -2.0, "top_p": 1.0}
     assert c.run("edges", [1], edges)[-1][2] == "length"
 
 

@@ -11,10 +11,9 @@ import math
 
 from msgspec import Struct
 
-from .messages import AddRequest, SamplingParams
+from .messages import INT64_MAX, INT64_MIN, AddRequest, SamplingParams
 
 MAX_LOGPROBS = 20  # OpenAI's (and vLLM's default) most top alternatives per token
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed must fit the worker's torch.Generator
 
 
 class Problem(Struct, frozen=True):
@@ -76,12 +75,12 @@ def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len:
     """
     if max_tokens is None:
         if prompt_len >= max_model_len:
-            return Problem("prompt", f"This model's maximum context length is {max_model_len} tokens, but the prompt "
-                                     f"has {prompt_len} tokens, which leaves no room for a completion.")
+            return Problem("prompt", f"This model's maximum context length is {max_model_len} tokens (max_model_len), "
+                                     f"but the prompt has {prompt_len} tokens, which leaves no room for a completion.")
         return None
     if prompt_len + max_tokens > max_model_len:
-        return Problem("max_tokens", f"This model's maximum context length is {max_model_len} tokens. However, you "
-                                     f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+        return Problem("max_tokens", f"This model's maximum context length is {max_model_len} tokens "
+                                     f"(max_model_len). However, you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                                      f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.")
     return None
 

@@ -158,8 +158,8 @@ def check_stats_types(c: Conn, ready: list, args: argparse.Namespace) -> None:
     c.hello()
     c.send(["heartbeat"])
     stats = c.recv()[2]
-    types = [int] * 2 + [float] + [int] * 6 + [float] * 6
-    assert len(stats) == 15 and [type(v) for v in stats] == types, stats
+    types = [int] * 2 + [float] + [int] * 6 + [float] * 6 + [int]
+    assert len(stats) == 16 and [type(v) for v in stats] == types, stats
 
 
 def check_stop_token_is_in_new_token_ids(c: Conn, ready: list, args: argparse.Namespace) -> None:

@@ -101,7 +101,8 @@ class EngineCore:
         self.scheduler = Scheduler(sched_cfg)
         ready = Ready(PROTOCOL_VERSION, self.info.model_name, self.info.model_path, self.max_model_len,
                       self.info.vocab_size, list(self.info.eos_token_ids), self.block_size, num_blocks,
-                      self.cfg.max_num_batched_tokens, uuid.uuid4().hex[:12], self.cfg.max_frame_bytes)
+                      self.cfg.max_num_batched_tokens, uuid.uuid4().hex[:12], self.cfg.max_frame_bytes,
+                      list(self.info.model_aliases))
         self.link = FrontendLink(self._ctx, self.cfg.listen, ready, max_frame_bytes=self.cfg.max_frame_bytes,
                                  client_timeout=self.cfg.client_timeout)
         self.link.start()
@@ -213,6 +214,7 @@ class EngineCore:
             if ids:
                 self.scheduler.abort_requests(ids)  # type: ignore[union-attr]
                 log.info("aborted %d requests of gone client %d", len(ids), item.client_index)
+            self.link.gone_handled(item.identity)  # type: ignore[union-attr]
             return
         msg = item.msg
         if isinstance(msg, AddRequest):

@@ -13,7 +13,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import time
 from typing import Sequence
 
 from .cli import add_frontend_flags
+from .reuse_port import bind_reuseport
 
 DEMO_NAME = "demo"
 
@@ -37,15 +37,6 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-listen", default=None, help="engine-core address (default: ipc:// in a temp folder)")
     add_frontend_flags(p)
     return p
-
-
-def _reserve_port(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))  # bound, not listening: it reserves the port but takes no connections
-    return sock
 
 
 def _stop(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
@@ -82,7 +73,7 @@ def serve_main(argv: Sequence[str]) -> int:
     engine_addr = args.engine_listen or f"ipc://{workdir}/engine.sock"
     metrics_dir = os.path.join(workdir, "metrics")
     os.makedirs(metrics_dir)
-    reserved = _reserve_port(args.host, args.port)
+    reserved = bind_reuseport(args.host, args.port)  # bound, never listening: holds the port
     port = reserved.getsockname()[1]
     env = dict(os.environ, EVENFLOW_METRICS_DIR=metrics_dir)
     py = sys.executable

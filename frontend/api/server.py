@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..metrics import FrontendMetrics, stats_log_line
+from ..reuse_port import bind_reuseport
 from ..tokenizer import Tokenizer
 from .chat import create_chat_completion
 from .completions import create_completion
@@ -98,8 +99,8 @@ async def _chat(ctx: ServingContext, request: Request) -> Any:
 
 
 async def _models(ctx: ServingContext, request: Request) -> Response:
-    card = ModelCard(ctx.model_name, ctx.created, ctx.max_model_len, root=ctx.model_root)
-    return _json(ModelList([card]))
+    cards = [ModelCard(name, ctx.created, ctx.max_model_len, root=ctx.model_root) for name in ctx.served_names]
+    return _json(ModelList(cards))
 
 
 async def _health(ctx: ServingContext, request: Request) -> Response:
@@ -177,9 +178,10 @@ async def connect_context(config: ServerConfig, client: Any = None) -> ServingCo
     ready = await client.connect(timeout=config.connect_timeout)
     tokenizer = Tokenizer.from_dir(config.tokenizer or ready.model_path, chat_template=config.chat_template)
     name = config.served_model_name or ready.model_name
+    aliases = () if config.served_model_name else tuple(ready.model_aliases)
     metrics = FrontendMetrics(name, config.metrics_dir or os.environ.get("EVENFLOW_METRICS_DIR"), config.frontend_name)
     return ServingContext(client, tokenizer, name, ready.max_model_len, ready.vocab_size, metrics,
-                          api_key=config.api_key, model_root=ready.model_path)
+                          api_key=config.api_key, model_root=ready.model_path, model_aliases=aliases)
 
 
 def build_app(config: ServerConfig, context: Callable[[], Awaitable[ServingContext]] | None = None) -> Starlette:
@@ -215,11 +217,7 @@ def build_app(config: ServerConfig, context: Callable[[], Awaitable[ServingConte
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket with SO_REUSEPORT, so N frontend processes share one port."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    sock = bind_reuseport(host, port)
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock

@@ -11,10 +11,12 @@ def test_spec_decode_counters_are_rendered() -> None:
     m.set_engine_stats(SchedulerStats(spec_decode_num_drafts=4, spec_decode_num_draft_tokens=10,
                                       spec_decode_num_accepted_tokens=6,
                                       spec_decode_num_accepted_tokens_per_pos=[4, 2, 0]))
-    lines = m.render().splitlines()
+    values = {}
+    for line in m.render().splitlines():
+        if line.startswith("evenflow:spec_decode"):
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
     for name, value in [("drafts", 4), ("draft_tokens", 10), ("accepted_tokens", 6)]:
-        assert f'evenflow:spec_decode_num_{name}_total{{model_name="demo"}} {value}' in lines
-    assert "# TYPE evenflow:spec_decode_num_accepted_tokens_per_pos_total counter" in lines
+        assert values[f'evenflow:spec_decode_num_{name}_total{{model_name="demo"}}'] == value
     for position, value in enumerate([4, 2, 0]):
-        assert (f'evenflow:spec_decode_num_accepted_tokens_per_pos_total{{model_name="demo",position="{position}"}} '
-                f"{value}") in lines
+        assert values[f'evenflow:spec_decode_num_accepted_tokens_per_pos_total{{model_name="demo",position="{position}"}}'] == value

@@ -127,16 +127,13 @@ class Scheduler:
             req_id = request.request_id
             num_slots = num_draft_slots(config.speculative_config, request, num_new, token_budget - num_new,
                                         config.max_model_len, num_running_at_start)
-            if num_slots:
-                # Never preempt anybody for a draft: with no room the request runs without.
-                more_blocks = kv.allocate_slots(request, num_new + num_slots)
-                if more_blocks is None:
-                    num_slots = 0
-                else:
-                    new_blocks = new_blocks + more_blocks
-                    num_new += num_slots
-                    # Values are the worker's to fill (-1): it holds the drafts (spec_decode.py).
-                    spec_decode_tokens[req_id] = [-1] * num_slots
+            # A draft never preempts anybody: with no room the request runs without.
+            more_blocks = kv.allocate_slots(request, num_new + num_slots) if num_slots else None
+            if more_blocks is not None:
+                new_blocks, num_new = new_blocks + more_blocks, num_new + num_slots
+                spec_decode_tokens[req_id] = [-1] * num_slots  # the worker fills them (spec_decode.py)
+            else:
+                num_slots = 0
             new_block_ids = [block.block_id for block in new_blocks] if new_blocks else []
             cached_reqs.append(CachedRequestData(req_id, new_block_ids, request.num_computed_tokens))
             num_scheduled_tokens[req_id] = num_new
@@ -273,12 +270,10 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None or not 0 <= request.first_scheduled_step <= step_id:
                 continue  # finished since, or the id now names a newer request
-            draft_slots = drafts_by_req.get(req_id) if drafts_by_req else None
-            num_slots = len(draft_slots) if draft_slots else 0
+            num_slots = len(drafts_by_req.get(req_id, ())) if drafts_by_req else 0
             request.num_output_placeholders -= 1 + num_slots
             if num_slots and request.status == RequestStatus.RUNNING:
-                # Rejected drafts and unfilled slots had KV computed (or reserved) for nothing:
-                # step back over them; their positions are simply overwritten later.
+                # Step back over rejected drafts and unfilled slots; their KV is overwritten later.
                 request.num_computed_tokens -= num_slots + 1 - len(sampled)
             if num_verified and num_verified[i]:
                 self._spec_counters.record(num_verified[i], len(sampled) - 1)

@@ -149,7 +149,7 @@ def _speculative_config(text: str) -> SpeculativeConfig:
     try:
         return parse_speculative_config(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None  # argparse names it
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> EngineConfig:

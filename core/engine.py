@@ -29,6 +29,7 @@ from evenflow.protocol import (
 from .config import SchedulerConfig
 from .engine_config import EngineConfig
 from .frontend_link import ClientGone, ClientMessage, FrontendLink
+from .kv_events import KVEventLog
 from .model_info import ModelInfo
 from .request import Request
 from .routing import RequestRouter
@@ -67,6 +68,7 @@ class EngineCore:
         self.workers = WorkerGroup(self._ctx, self._worker_template(), cfg.worker_start_timeout)
         self.scheduler: Scheduler | None = None
         self.link: FrontendLink | None = None
+        self._kv_events: KVEventLog | None = None  # prefix-cache changes for routing frontends
 
     def _worker_template(self) -> WorkerConfig:
         c = self.cfg
@@ -98,6 +100,8 @@ class EngineCore:
         sched_cfg.validate()
         self.workers.init_kv_cache(num_blocks)
         self.scheduler = Scheduler(sched_cfg)
+        if self.cfg.enable_prefix_caching:
+            self._kv_events = self.scheduler.kv_cache_manager.pool.events = KVEventLog()
         ready = Ready(PROTOCOL_VERSION, self.info.model_name, self.info.model_path, self.max_model_len,
                       self.info.vocab_size, list(self.info.eos_token_ids), self.block_size, num_blocks,
                       self.cfg.max_num_batched_tokens, uuid.uuid4().hex[:12], self.cfg.max_frame_bytes)
@@ -203,6 +207,13 @@ class EngineCore:
         now = time.time()
         for identity, outs in self._router.route(outputs).items():
             self.link.send(identity, Outputs(outs, stats, now))  # type: ignore[union-attr]
+        self._report_kv_events(stats, force=not self.scheduler.has_unfinished_requests())  # type: ignore[union-attr]
+
+    def _report_kv_events(self, stats: SchedulerStats, force: bool) -> None:
+        """Broadcast a batch of prefix-cache changes (stored/evicted hashes) to every frontend."""
+        events = self._kv_events.drain(force) if self._kv_events is not None else None
+        if events is not None:
+            self.link.broadcast(Outputs([], stats, time.time(), events))  # type: ignore[union-attr]
 
     # ----------------------------------------------------------------------------- inputs
 
@@ -248,7 +259,9 @@ class EngineCore:
         if call.method == "get_stats":
             return UtilityResult(call.call_id, True, self.stats())
         if call.method == "reset_prefix_cache":
-            return UtilityResult(call.call_id, True, self.scheduler.reset_prefix_cache())  # type: ignore[union-attr]
+            done = self.scheduler.reset_prefix_cache()  # type: ignore[union-attr]
+            self._report_kv_events(self.stats(), force=True)
+            return UtilityResult(call.call_id, True, done)
         return UtilityResult(call.call_id, False, None,
                              f"no utility method {call.method!r} "
                              f"(known: get_stats, reset_prefix_cache)")

@@ -4,7 +4,9 @@ Two kinds of numbers:
 
 * engine-wide (running/waiting requests, KV usage, preemptions, prefix cache): taken from the
   engine's latest ``SchedulerStats``. Every frontend sees the same engine, so merging takes the
-  freshest snapshot instead of a sum.
+  freshest snapshot instead of a sum. With several engine-cores (data parallel) each also appears
+  with an ``engine="i"`` label (its position in ``--engine``), and the unlabelled series is the
+  total (KV cache usage: the mean).
 * request-level (token counters, finished requests by reason, latency histograms): counted by the
   frontend that served the request. With N frontends behind one port a scrape lands on one of
   them, so each frontend publishes its snapshot as a file in ``EVENFLOW_METRICS_DIR`` (atomically,
@@ -18,6 +20,7 @@ import bisect
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 from msgspec import Struct
@@ -43,6 +46,25 @@ COUNTERS: dict[str, str] = {
     "evenflow:prompt_tokens_total": "Prompt tokens of finished and running requests.",
     "evenflow:generation_tokens_total": "Generated tokens delivered.",
 }
+
+
+# Engine-wide metrics: name, type, help, value from one SchedulerStats.
+ENGINE_METRICS: list[tuple[str, str, str, Callable[[SchedulerStats], float]]] = [
+    ("evenflow:num_requests_running", "gauge", "Requests in the engine's running batch.", lambda e: e.num_running),
+    ("evenflow:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", lambda e: e.num_waiting),
+    ("evenflow:kv_cache_usage_perc", "gauge", "KV cache usage (1 = full).", lambda e: e.kv_cache_usage),
+    ("evenflow:num_preemptions_total", "counter", "Preemptions by the scheduler.", lambda e: e.num_preemptions),
+    ("evenflow:prefix_cache_queries_total", "counter", "Prefix cache queries, in tokens.",
+     lambda e: e.prefix_cache_queries),
+    ("evenflow:prefix_cache_hits_total", "counter", "Prefix cache hits, in tokens.", lambda e: e.prefix_cache_hits),
+    ("evenflow:num_steps_total", "counter", "Engine steps that ran the model.", lambda e: e.num_steps),
+    ("evenflow:scheduled_tokens_total", "counter", "Tokens computed by the model (prompt + generated).",
+     lambda e: e.num_prompt_tokens + e.num_generation_tokens),
+    ("evenflow:worker_forward_seconds_total", "counter", "Seconds the workers spent in forward passes.",
+     lambda e: e.worker_forward_s),
+    ("evenflow:worker_idle_seconds_total", "counter", "Seconds the workers waited on the engine-core while it had work.",
+     lambda e: e.worker_idle_s),
+]
 
 
 class HistogramData(Struct, array_like=True):
@@ -81,6 +103,7 @@ class MetricsSnapshot(Struct):
     histograms: dict[str, HistogramData]
     engine: SchedulerStats | None = None
     engine_time: float = 0.0
+    engines: dict[str, SchedulerStats] = {}  # per engine-core when data parallel, by label
 
 
 class RequestTimer:
@@ -107,6 +130,7 @@ class FrontendMetrics:
         self.histograms = {name: HistogramData.empty(b) for name, (b, _) in HISTOGRAMS.items()}
         self.engine: SchedulerStats | None = None
         self.engine_time = 0.0
+        self.engines: dict[str, SchedulerStats] = {}
         self._encoder = msgspec.json.Encoder()
         self._decoder = msgspec.json.Decoder(MetricsSnapshot)
 
@@ -135,11 +159,14 @@ class FrontendMetrics:
         self.finished[reason] = self.finished.get(reason, 0) + 1
         self.histograms["evenflow:e2e_request_latency_seconds"].observe(now - timer.arrival)
 
-    def set_engine_stats(self, stats: SchedulerStats | None, when: float | None = None) -> None:
-        """Record the engine's stats as of ``when`` (now); the same object again is not fresher."""
+    def set_engine_stats(self, stats: SchedulerStats | None, when: float | None = None,
+                         per_engine: dict[str, SchedulerStats] | None = None) -> None:
+        """Record the engine's stats as of ``when`` (now); the same object again is not fresher.
+        ``per_engine``: each engine-core's own stats when ``stats`` is a data-parallel total."""
         if stats is not None and stats is not self.engine:
             self.engine = stats
             self.engine_time = time.time() if when is None else when
+            self.engines = dict(per_engine or {})
 
     # -- snapshots and merging ----------------------------------------------------------------
 
@@ -147,7 +174,7 @@ class FrontendMetrics:
         return MetricsSnapshot(
             self.frontend_name, time.time(), dict(self.counters), dict(self.finished),
             {k: HistogramData(list(h.bounds), list(h.counts), h.sum, h.count) for k, h in self.histograms.items()},
-            self.engine, self.engine_time,
+            self.engine, self.engine_time, dict(self.engines),
         )
 
     def write_snapshot(self) -> None:
@@ -193,7 +220,7 @@ def merge_snapshots(snaps: list[MetricsSnapshot]) -> MetricsSnapshot:
             if k in merged.histograms:
                 merged.histograms[k].add(h)
         if s.engine is not None and s.engine_time >= merged.engine_time:
-            merged.engine, merged.engine_time = s.engine, s.engine_time
+            merged.engine, merged.engine_time, merged.engines = s.engine, s.engine_time, s.engines
     return merged
 
 
@@ -213,19 +240,10 @@ def render_prometheus(s: MetricsSnapshot, model_name: str) -> str:
         out.append(f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n{name}{{{label}}} {_fmt(value)}")
 
     e = s.engine or SchedulerStats()
-    metric("evenflow:num_requests_running", "gauge", "Requests in the engine's running batch.", e.num_running)
-    metric("evenflow:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", e.num_waiting)
-    metric("evenflow:kv_cache_usage_perc", "gauge", "KV cache usage (1 = full).", e.kv_cache_usage)
-    metric("evenflow:num_preemptions_total", "counter", "Preemptions by the scheduler.", e.num_preemptions)
-    metric("evenflow:prefix_cache_queries_total", "counter", "Prefix cache queries, in tokens.", e.prefix_cache_queries)
-    metric("evenflow:prefix_cache_hits_total", "counter", "Prefix cache hits, in tokens.", e.prefix_cache_hits)
-    metric("evenflow:num_steps_total", "counter", "Engine steps that ran the model.", e.num_steps)
-    metric("evenflow:scheduled_tokens_total", "counter", "Tokens computed by the model (prompt + generated).",
-           e.num_prompt_tokens + e.num_generation_tokens)
-    metric("evenflow:worker_forward_seconds_total", "counter", "Seconds the workers spent in forward passes.",
-           e.worker_forward_s)
-    metric("evenflow:worker_idle_seconds_total", "counter",
-           "Seconds the workers waited on the engine-core while it had work.", e.worker_idle_s)
+    for name, kind, help_text, value_of in ENGINE_METRICS:
+        metric(name, kind, help_text, value_of(e))
+        for engine, stats in sorted(s.engines.items()):  # data parallel: each engine-core too
+            out.append(f'{name}{{{label},engine="{_escape(engine)}"}} {_fmt(value_of(stats))}')
     for name, help_text in COUNTERS.items():
         metric(name, "counter", help_text, s.counters.get(name, 0.0))
     name = "evenflow:request_success_total"

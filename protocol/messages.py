@@ -298,12 +298,29 @@ class SchedulerStats(Struct, array_like=True):
     worker_idle_s: float = 0.0  # cumulative seconds the engine had no step in flight
 
 
+class KVCacheEvents(Struct, array_like=True, omit_defaults=True):
+    """Prefix-cache changes since the engine's previous report, for frontends that route by prefix.
+
+    ``stored``: block hashes (protocol/block_hash.py) newly cached; ``removed``: hashes evicted.
+    Each hash appears at most once, in its latest state. ``cleared``: the whole cache was reset
+    before these changes.
+    """
+
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    cleared: bool = False
+
+
 class Outputs(Struct, tag="outputs", array_like=True):
-    """Outputs for one client's requests after a step, and the engine's stats."""
+    """Outputs for one client's requests after a step, and the engine's stats.
+
+    ``kv_events`` is broadcast to every client (with empty ``outputs``), batched over steps.
+    """
 
     outputs: list[RequestOutput]
     stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    kv_events: KVCacheEvents | None = None
 
 
 class Error(Struct, tag="error", array_like=True):

@@ -77,11 +77,11 @@ class Router:
     def choose(self, block_hashes: list[BlockHash], candidates: list[int]) -> Decision:
         """Pick one of ``candidates`` (indexes of reachable engines; not empty)."""
         policy = self.config.policy
+        self._turn += 1
         if policy == "round_robin":
-            self._turn += 1
             return Decision(candidates[self._turn % len(candidates)], 0, "round_robin")
         views = self.engines
-        idlest = min(candidates, key=lambda e: views[e].load)
+        idlest = self._least_loaded(candidates)
         if policy == "load" or not block_hashes:
             return Decision(idlest, views[idlest].index.match(block_hashes), "load")
         low, high = views[idlest].load, max(views[e].load for e in candidates)
@@ -89,8 +89,13 @@ class Router:
             return Decision(idlest, views[idlest].index.match(block_hashes), "balance")
         matches = {e: views[e].index.match(block_hashes) for e in candidates}
         best = max(matches.values())
-        chosen = min((e for e in candidates if matches[e] == best), key=lambda e: views[e].load)
+        chosen = self._least_loaded([e for e in candidates if matches[e] == best])
         return Decision(chosen, best, "prefix" if best else "load")
+
+    def _least_loaded(self, candidates: list[int]) -> int:
+        """Ties go round the engines in turn, so an idle cluster still spreads its requests."""
+        n = len(self.engines)
+        return min(candidates, key=lambda e: (self.engines[e].load, (e - self._turn) % n))
 
     def on_routed(self, engine: int, block_hashes: list[BlockHash]) -> None:
         view = self.engines[engine]

@@ -35,7 +35,8 @@ from .request import Request
 from .routing import RequestRouter
 from .step_timing import StepTiming
 from .scheduler import Scheduler
-from .workers import WorkerFailure, WorkerGroup
+from .multi_node import NodeLayout
+from .workers import WorkerFailure, WorkerGroup, worker_template
 
 log = logging.getLogger("evenflow.core.engine")
 
@@ -65,19 +66,14 @@ class EngineCore:
         self._pending_preempted: list[str] = []
         self._was_idle = True
         self._times = StepTiming()
-        self.workers = WorkerGroup(self._ctx, self._worker_template(), cfg.worker_start_timeout)
+        layout = NodeLayout.from_config(cfg) if cfg.nnodes > 1 else None  # ranks on several hosts
+        self.workers = WorkerGroup(self._ctx, self._worker_template(), cfg.worker_start_timeout, layout=layout)
         self.scheduler: Scheduler | None = None
         self.link: FrontendLink | None = None
         self._kv_events: KVEventLog | None = None  # prefix-cache changes for routing frontends
 
     def _worker_template(self) -> WorkerConfig:
-        c = self.cfg
-        return WorkerConfig(
-            model=self.info.model_path, world_size=c.tensor_parallel_size, dtype=c.dtype, device=c.device,
-            seed=c.seed, block_size=c.block_size, max_model_len=self.max_model_len,
-            max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
-            attention_backend=c.attention_backend, kv_cache_memory=c.kv_cache_memory,
-            num_kv_blocks=c.num_kv_blocks, load_format=c.load_format, num_threads=c.worker_threads)
+        return worker_template(self.cfg, self.info.model_path, self.max_model_len)
 
     # ----------------------------------------------------------------------------- start-up
 

@@ -169,6 +169,8 @@ class WorkerConfig(Struct, forbid_unknown_fields=True):
     engine_input_addr: str = ""  # where SchedulerOutputs come from (engine binds PUB/PUSH)
     engine_output_addr: str = ""  # where results go (engine binds PULL)
     num_threads: int | None = None
+    # Links over TCP to an engine-core on another host: CURVE keys from $EVENFLOW_DIST_SECRET.
+    secure_link: bool = False
 
 
 class WorkerReady(Struct, tag="worker_ready", array_like=True):

@@ -94,6 +94,8 @@ class SecuredLinks:
         results.bind(layout.results_addr)
         self._steps = steps
         self.lost: str | None = None
+        log.info("worker links for %d hosts on %s (steps) and %s (results), CURVE keyed by the shared secret; "
+                 "rendezvous %s", layout.nnodes, layout.steps_addr, layout.results_addr, layout.dist_init_addr)
 
     def check(self) -> str | None:
         """Read pending (un)subscriptions (call after start-up); return why a host was lost, or None."""

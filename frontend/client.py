@@ -87,6 +87,11 @@ class EngineClient:
         self.on_outputs: Callable[[Outputs], None] | None = None
 
     @property
+    def failure(self) -> EngineError | None:
+        """Why the client is failed (engine death, fatal error, close); None while it serves."""
+        return self._fatal
+
+    @property
     def connected(self) -> bool:
         """True between a Ready and the next failure (engine death, fatal error, close)."""
         return self.ready is not None and self._sock is not None and self._fatal is None

@@ -176,6 +176,6 @@ class DataParallelClient:
             self.router.on_kv_events(engine, msg.kv_events)
 
     def _unreachable(self) -> EngineError:
-        causes = "; ".join(f"{a}: {c._fatal.message if c._fatal else 'not connected'}"
+        causes = "; ".join(f"{a}: {c.failure.message if c.failure else 'not connected'}"
                            for a, c in zip(self.addresses, self.clients))
         return EngineError(ERR_ENGINE_DEAD, f"no engine-core is reachable ({causes})")

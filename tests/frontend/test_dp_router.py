@@ -97,3 +97,94 @@ def test_metrics_label_each_engine_and_keep_the_total() -> None:
     assert 'evenflow:num_requests_running{model_name="demo",engine="0"} 2' in text
     assert 'evenflow:num_requests_running{model_name="demo",engine="1"} 3' in text
     assert text.count("# TYPE evenflow:num_requests_running gauge") == 1
+
+
+# ----------------------------------------------------------------------------- the client, over fakes
+
+import asyncio  # noqa: E402
+from typing import AsyncIterator  # noqa: E402
+
+import pytest  # noqa: E402
+
+from evenflow.frontend.client import EngineError  # noqa: E402
+from evenflow.frontend.dp_client import DataParallelClient  # noqa: E402
+from evenflow.protocol import Outputs, Ready, RequestOutput, SamplingParams, UtilityResult  # noqa: E402
+
+
+class FakeEngine:
+    def __init__(self, name: str, block_size: int = 4) -> None:
+        self.ready = Ready(1, "m", "/m", 64, 100, [2], block_size, 50, 64, name)
+        self.connected, self.failure = True, None
+        self.aborted: list[str] = []
+        self.seen: list[str] = []
+        self.on_outputs = None
+
+    async def connect(self, timeout: float) -> Ready:
+        return self.ready
+
+    async def generate(self, rid: str, prompt: list[int], sp: SamplingParams, priority: int = 0,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        self.seen.append(rid)
+        yield RequestOutput(rid, [1])
+        yield RequestOutput(rid, [2], finish_reason="length")
+
+    async def abort(self, ids: list[str]) -> None:
+        self.aborted += ids
+
+    async def call_utility(self, method: str, timeout: float = 30.0) -> UtilityResult:
+        return UtilityResult(0, True, SchedulerStats(num_running=1, num_generation_tokens=5))
+
+    async def close(self) -> None:
+        self.connected = False
+
+
+def _client(*engines: FakeEngine) -> DataParallelClient:
+    client = DataParallelClient([f"ipc://{e.ready.engine_id}" for e in engines], "t")
+    client.clients = list(engines)  # type: ignore[assignment]
+    return client
+
+
+def test_client_routes_aborts_and_aggregates_over_fakes() -> None:
+    async def main() -> None:
+        a, b = FakeEngine("a"), FakeEngine("b")
+        client = _client(a, b)
+        await client.connect()
+        prompt = list(range(3, 20))
+        assert [o.new_token_ids async for o in client.generate("r1", prompt, SamplingParams())] == [[1], [2]]
+        first = a if a.seen else b
+        first.on_outputs(Outputs([], SchedulerStats(), 0.0, KVCacheEvents(stored=hashes(prompt))))  # type: ignore[misc]
+        [o async for o in client.generate("r2", prompt, SamplingParams())]
+        assert first.seen == ["r1", "r2"]  # the second follows the cached prefix
+        stream = client.generate("r3", [50, 51], SamplingParams())
+        await stream.__anext__()
+        with pytest.raises(EngineError, match="already live"):
+            await client.generate("r3", [1], SamplingParams()).__anext__()
+        await client.abort(["r3", "unknown"])
+        owner = a if "r3" in a.seen else b
+        assert owner.aborted == ["r3"] and (b if owner is a else a).aborted == []
+        await stream.aclose()
+        stats = await client.call_utility("get_stats")
+        assert stats.result.num_running == 2 and set(client.engine_stats()) == {"0", "1"}
+        a.connected = False  # only b is reachable: everything goes there
+        [o async for o in client.generate("r4", prompt, SamplingParams())]
+        assert b.seen[-1] == "r4"
+        b.connected = False
+        with pytest.raises(EngineError, match="no engine-core is reachable"):
+            await client.generate("r5", prompt, SamplingParams()).__anext__()
+        a.ready = Ready(1, "m", "/m", 64, 100, [2], 4, 50, 64, "a-restarted")
+        a.connected = True
+        client.router.engines[0].index.add(hashes(prompt))  # type: ignore[union-attr]
+        [o async for o in client.generate("r6", [60] * 9, SamplingParams())]
+        assert a.seen[-1] == "r6"  # it rejoined ...
+        assert client.router.engines[0].index.match(hashes(prompt)) == 0  # type: ignore[union-attr]  # ... empty
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_client_refuses_engines_serving_different_models() -> None:
+    async def main() -> None:
+        with pytest.raises(EngineError, match="disagree on block_size"):
+            await _client(FakeEngine("a", block_size=4), FakeEngine("b", block_size=8)).connect()
+
+    asyncio.run(main())

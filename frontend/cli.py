@@ -103,6 +103,8 @@ def frontend_main(argv: Sequence[str] | None = None) -> int:
     args.engine = args.engine or ["tcp://127.0.0.1:7100"]
     try:
         routing_config(args).validate()
+        if len(set(args.engine)) != len(args.engine):
+            raise ValueError(f"--engine lists an engine-core twice: {args.engine}")
     except ValueError as e:
         parser.error(str(e))
     _setup_logging(args.frontend_name or f"frontend-{os.getpid()}")

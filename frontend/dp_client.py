@@ -40,8 +40,8 @@ class DataParallelClient:
     """Async client of N engine-cores serving the same model; duck-types EngineClient."""
 
     def __init__(self, addresses: list[str], client_name: str = "", routing: RoutingConfig | None = None) -> None:
-        if len(addresses) < 1:
-            raise ValueError("give at least one engine-core address")
+        if len(addresses) < 1 or len(set(addresses)) != len(addresses):
+            raise ValueError(f"give each engine-core address once, got {addresses}")
         self.addresses = list(addresses)
         self.routing = routing or RoutingConfig()
         self.routing.validate()

@@ -38,6 +38,7 @@ async def _collect(client: DataParallelClient, rid: str, prompt: list[int], sp: 
 def test_two_engine_cores_behind_one_client(tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(client_module, "DEAD_AFTER_S", 2.0)
     monkeypatch.setattr(client_module, "HEARTBEAT_S", 0.5)
+    monkeypatch.setattr(client_module, "RECONNECT_MAX_S", 1.0)  # rejoin soon after the restart
     engines: list[EngineProcess] = [start_engine(tiny_llama, tmp_path, *FLAGS, name=f"engine{i}") for i in range(2)]
 
     async def main() -> None:

@@ -11,9 +11,9 @@ from typing import Sequence
 
 import zmq
 
-from .engine_config import ConfigError, build_parser, config_from_args
 from evenflow.protocol.link_auth import read_secret
 
+from .engine_config import ConfigError, build_parser, config_from_args
 from .model_info import read_model_info
 from .workers import WorkerFailure
 

@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from .engine_config import EngineConfig
-from .multi_node import NodeLayout, SecuredLinks
 from evenflow.protocol import (
     EngineToWorker, InitKVCache, ModelRunnerOutput, SchedulerOutput, WorkerConfig, WorkerError,
     WorkerReady, WorkerShutdown, WorkerToEngine,
 )
+
+from .engine_config import EngineConfig
+from .multi_node import NodeLayout, SecuredLinks
 
 log = logging.getLogger("evenflow.core.workers")
 

@@ -11,6 +11,10 @@ Policies (``--routing-policy``):
   terms (``busiest > balance_rel_threshold * idlest``), route by load: the cache does not pay for
   a queue. Otherwise route to the engine whose PrefixIndex holds the longest prefix of the
   prompt's block hashes (ties and no match at all: the least loaded).
+  The absolute default (8: two waiting requests) is lower than SGLang's 32 because CPU-sized
+  engines run a few requests each: at 32 a prefix shared by every request (one system prompt)
+  sent all of them to one engine-core; the relative test keeps large engines from balancing on
+  small differences.
 * ``load``: always the least loaded.
 * ``round_robin``: in turn, ignoring both.
 """
@@ -31,7 +35,7 @@ class RoutingConfig:
     """The frontend's ``--routing-*`` flags."""
 
     policy: str = "prefix"
-    balance_abs_threshold: float = 32.0  # in load-score units (4 per waiting request)
+    balance_abs_threshold: float = 8.0  # in load-score units (4 per waiting request, 1 per running)
     balance_rel_threshold: float = 1.5
 
     def validate(self) -> None:

@@ -44,6 +44,7 @@ class Result:
     requests_per_s: float
     output_tokens_per_s: float
     balance_share: float  # fraction of routing decisions made by the hot-spot guard
+    busiest_share: float  # the busier engine-core's share of the generated tokens
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=192, help="per engine-core (16-token blocks)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--balance-abs", type=float, default=RoutingConfig().balance_abs_threshold,
+                   help="the frontend's --routing-balance-abs-threshold")
+    p.add_argument("--balance-rel", type=float, default=RoutingConfig().balance_rel_threshold,
+                   help="the frontend's --routing-balance-rel-threshold")
     p.add_argument("--smoke", action="store_true", help="a few seconds: tiny workload, one round")
     args = p.parse_args(argv)
     if args.smoke:
@@ -88,11 +93,12 @@ def start_engines(model: str, workdir: Path, args: argparse.Namespace) -> list[s
 
 
 async def run_policy(addresses: list[str], policy: str, round_index: int, args: argparse.Namespace) -> Result:
-    client = DataParallelClient(addresses, f"bench-{policy}", RoutingConfig(policy))
+    client = DataParallelClient(addresses, f"bench-{policy}", RoutingConfig(policy, args.balance_abs, args.balance_rel))
     ready = await client.connect(timeout=300)
     await client.call_utility("reset_prefix_cache")
     await asyncio.sleep(0.2)  # the engines' "cleared" reports reach the client before we start
     before = (await client.call_utility("get_stats")).result
+    before_per_engine = client.engine_stats()
     rng = random.Random(args.seed)  # the same workload for every policy and round
     vocab = ready.vocab_size
     systems = [[rng.randrange(vocab) for _ in range(args.system_len)] for _ in range(args.system_prompts)]
@@ -121,6 +127,8 @@ async def run_policy(addresses: list[str], policy: str, round_index: int, args: 
     await asyncio.gather(*(conversation(c) for c in range(args.conversations)))
     wall = time.perf_counter() - t0
     after = (await client.call_utility("get_stats")).result
+    generated = [after_e.num_generation_tokens - before_per_engine[k].num_generation_tokens
+                 for k, after_e in client.engine_stats().items()]
     decisions = dict(client.decisions)
     await client.close()
     assert isinstance(before, SchedulerStats) and isinstance(after, SchedulerStats)
@@ -129,26 +137,28 @@ async def run_policy(addresses: list[str], policy: str, round_index: int, args: 
     ms = np.array(ttfts) * 1000
     return Result(policy, round_index, hits / max(1, queries), float(np.percentile(ms, 50)),
                   float(np.percentile(ms, 99)), len(ttfts) / wall, output_tokens / wall,
-                  decisions.get("balance", 0) / max(1, sum(decisions.values())))
+                  decisions.get("balance", 0) / max(1, sum(decisions.values())), max(generated) / max(1, sum(generated)))
 
 
 def table(results: list[Result]) -> str:
     rows = ["| policy | round | prefix-cache hit rate | TTFT p50 ms | TTFT p99 ms | requests/s | output tok/s "
-            "| hot-spot guard |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
+            "| hot-spot guard | busiest engine |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
     policies = list(dict.fromkeys(r.policy for r in results))
     rounds = sorted({r.round for r in results})
     groups = [(p, [r for r in results if r.policy == p]) for p in policies]
     for policy, rs in groups:
         for r in rs:
             rows.append(f"| {policy} | {r.round} | {r.hit_rate:.1%} | {r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | "
-                        f"{r.requests_per_s:.2f} | {r.output_tokens_per_s:.1f} | {r.balance_share:.0%} |")
+                        f"{r.requests_per_s:.2f} | {r.output_tokens_per_s:.1f} | {r.balance_share:.0%} | "
+                        f"{r.busiest_share:.0%} |")
     if len(rounds) > 1:
         for policy, rs in groups:
             med = {f: statistics.median(getattr(r, f) for r in rs) for f in
-                   ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "requests_per_s", "output_tokens_per_s", "balance_share")}
+                   ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "requests_per_s", "output_tokens_per_s", "balance_share",
+                    "busiest_share")}
             rows.append(f"| **{policy}** | median | {med['hit_rate']:.1%} | {med['ttft_p50_ms']:.0f} | "
                         f"{med['ttft_p99_ms']:.0f} | {med['requests_per_s']:.2f} | {med['output_tokens_per_s']:.1f} | "
-                        f"{med['balance_share']:.0%} |")
+                        f"{med['balance_share']:.0%} | {med['busiest_share']:.0%} |")
     return "\n".join(rows)
 
 

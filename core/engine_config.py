@@ -48,6 +48,13 @@ class EngineConfig:
     worker_start_timeout: float = 600.0
     client_timeout: float = 3.0  # a frontend silent this long is dropped and its requests aborted
     worker_threads: int | None = None
+    # Tensor parallel across hosts (core/multi_node.py): ranks split evenly over --nnodes hosts.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = ""  # node 0's address on the interface the hosts share; the links bind there
+    master_port: int = 29501  # torch.distributed rendezvous; +1: step broadcast, +2: results
+    headless: bool = False  # a worker launcher for node_rank >= 1: no scheduler, no frontend port
+    dist_secret_file: str | None = None  # shared secret of every host (else $EVENFLOW_DIST_SECRET)
     speculative_config: SpeculativeConfig | None = None  # --speculative-config JSON, validated when parsed
 
     def validate(self) -> None:
@@ -74,10 +81,30 @@ class EngineConfig:
             raise ConfigError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
         if self.worker_start_timeout <= 0 or self.client_timeout <= 0:
             raise ConfigError("--worker-start-timeout and --client-timeout must be positive")
+        self._validate_nodes()
         if self.speculative_config is not None and (problem := self.speculative_config.validate()):
             raise ConfigError(f"--speculative-config: {problem}")
         if not (Path(self.model).expanduser() / "config.json").is_file():
             raise ConfigError(f"--model {self.model!r} is not a folder with a config.json")
+
+    def _validate_nodes(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes == 1:
+            if self.headless:
+                raise ConfigError("--headless is a worker launcher for the other hosts: it needs --nnodes > 1")
+            return
+        if self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size} must split evenly over "
+                              f"--nnodes {self.nnodes}")
+        if not self.master_addr:
+            raise ConfigError("--nnodes > 1 needs --master-addr: node 0's address on the interface the hosts "
+                              "share (the step and result links bind only there)")
+        if not 1 <= self.master_port <= 65533:
+            raise ConfigError(f"--master-port must be in [1, 65533] (it and the next two ports are used), "
+                              f"got {self.master_port}")
+        if (self.node_rank > 0) != self.headless:
+            raise ConfigError("node 0 runs the engine-core; every other --node-rank runs `engine-core --headless`")
 
     def describe(self) -> str:
         """One line per setting, for the start-up log."""
@@ -138,6 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--worker-threads", type=int, default=None,
       help="torch threads per worker for every step (default on CPU: a step estimated to take 15 ms or more "
            "on one thread uses every core, a shorter one leaves one free; divided by tensor-parallel-size)")
+    g = p.add_argument_group("tensor parallel across hosts")
+    g.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts the tensor-parallel ranks are split over")
+    g.add_argument("--node-rank", type=int, default=d.node_rank, help="this host's index (0: the engine-core)")
+    g.add_argument("--master-addr", default=d.master_addr,
+                   help="node 0's address on the interface the hosts share (required with --nnodes > 1)")
+    g.add_argument("--master-port", type=int, default=d.master_port,
+                   help="torch.distributed rendezvous port on node 0; the next two carry steps and results")
+    g.add_argument("--headless", action="store_true", help="run only this host's worker ranks (node-rank >= 1)")
+    g.add_argument("--dist-secret-file", default=None,
+                   help="file with the secret shared by every host (default: $EVENFLOW_DIST_SECRET)")
     a("--speculative-config", type=_speculative_config, default=None,
       help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
            '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (optional "disable_by_batch_size": N: '

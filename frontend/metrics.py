@@ -2,9 +2,11 @@
 
 Two kinds of numbers:
 
-* engine-wide (running/waiting requests, KV usage, preemptions, prefix cache, steps): taken from
-  the engine's latest ``SchedulerStats``. Every frontend sees the same engine, so merging takes the
-  freshest snapshot instead of a sum.
+* engine-wide (running/waiting requests, KV usage, preemptions, prefix cache, steps): taken from the
+  engine's latest ``SchedulerStats``. Every frontend sees the same engine, so merging takes the
+  freshest snapshot instead of a sum. With several engine-cores (data parallel) each also appears
+  with an ``engine="i"`` label (its position in ``--engine``), and the unlabelled series is the
+  total (KV cache usage: the mean).
 * request-level (token counters, finished requests by reason, latency histograms): counted by the
   frontend that served the request. With N frontends behind one port a scrape lands on one of
   them, so each frontend publishes its snapshot as a file in ``EVENFLOW_METRICS_DIR`` (atomically,
@@ -134,6 +136,7 @@ class MetricsSnapshot(Struct):
     histograms: dict[str, HistogramData]
     engine: SchedulerStats | None = None
     engine_time: float = 0.0
+    engines: dict[str, SchedulerStats] = {}  # per engine-core when data parallel, by label
 
 
 class RequestTimer:
@@ -160,6 +163,7 @@ class FrontendMetrics:
         self.histograms = {name: HistogramData.empty(b) for name, (b, _) in HISTOGRAMS.items()}
         self.engine: SchedulerStats | None = None
         self.engine_time = 0.0
+        self.engines: dict[str, SchedulerStats] = {}
         self._encoder = msgspec.json.Encoder()
         self._decoder = msgspec.json.Decoder(MetricsSnapshot)
 
@@ -188,11 +192,14 @@ class FrontendMetrics:
         self.finished[reason] = self.finished.get(reason, 0) + 1
         self.histograms["evenflow:e2e_request_latency_seconds"].observe(now - timer.arrival)
 
-    def set_engine_stats(self, stats: SchedulerStats | None, when: float | None = None) -> None:
-        """Record the engine's stats as of ``when`` (now); the same object again is not fresher."""
+    def set_engine_stats(self, stats: SchedulerStats | None, when: float | None = None,
+                         per_engine: dict[str, SchedulerStats] | None = None) -> None:
+        """Record the engine's stats as of ``when`` (now); the same object again is not fresher.
+        ``per_engine``: each engine-core's own stats when ``stats`` is a data-parallel total."""
         if stats is not None and stats is not self.engine:
             self.engine = stats
             self.engine_time = time.time() if when is None else when
+            self.engines = dict(per_engine or {})
 
     # -- snapshots and merging ----------------------------------------------------------------
 
@@ -200,7 +207,7 @@ class FrontendMetrics:
         return MetricsSnapshot(
             self.frontend_name, time.time(), dict(self.counters), dict(self.finished),
             {k: HistogramData(list(h.bounds), list(h.counts), h.sum, h.count) for k, h in self.histograms.items()},
-            self.engine, self.engine_time,
+            self.engine, self.engine_time, dict(self.engines),
         )
 
     def write_snapshot(self) -> None:
@@ -246,7 +253,7 @@ def merge_snapshots(snaps: list[MetricsSnapshot]) -> MetricsSnapshot:
             if k in merged.histograms:
                 merged.histograms[k].add(h)
         if s.engine is not None and s.engine_time >= merged.engine_time:
-            merged.engine, merged.engine_time = s.engine, s.engine_time
+            merged.engine, merged.engine_time, merged.engines = s.engine, s.engine_time, s.engines
     return merged
 
 
@@ -262,6 +269,9 @@ class _SnapshotCollector:
         for m in ENGINE_METRICS:
             family = (GaugeMetricFamily if m.kind == "gauge" else CounterMetricFamily)(m.name, m.help, labels=labels)
             family.add_metric(values, m.value(engine))
+            sample_name = family.samples[0].name
+            for label, stats in sorted(s.engines.items()):  # data parallel: each engine-core too
+                family.add_sample(sample_name, {"model_name": self.model_name, "engine": label}, m.value(stats))
             yield family
         per_pos = CounterMetricFamily("evenflow:spec_decode_num_accepted_tokens_per_pos_total",
                                       "Draft tokens accepted, by position in the draft.",

@@ -155,6 +155,8 @@ class WorkerConfig(Struct, forbid_unknown_fields=True):
     engine_input_addr: str = ""  # where SchedulerOutputs come from (engine binds PUB/PUSH)
     engine_output_addr: str = ""  # where results go (engine binds PULL)
     num_threads: int | None = None
+    # Links over TCP to an engine-core on another host: CURVE keys from $EVENFLOW_DIST_SECRET.
+    secure_link: bool = False
     speculative_config: SpeculativeConfig | None = None
 
 
@@ -293,12 +295,29 @@ class SchedulerStats(Struct, array_like=True):
     spec_decode_num_accepted_tokens_per_pos: list[int] = []  # index i: drafts accepted at position i
 
 
+class KVCacheEvents(Struct, array_like=True, omit_defaults=True):
+    """Prefix-cache changes since the engine's previous report, for frontends that route by prefix.
+
+    ``stored``: block hashes (protocol/block_hash.py) newly cached; ``removed``: hashes evicted.
+    Each hash appears at most once, in its latest state. ``cleared``: the whole cache was reset
+    before these changes.
+    """
+
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    cleared: bool = False
+
+
 class Outputs(Struct, tag="outputs", array_like=True):
-    """Outputs for one client's requests after a step, and the engine's stats."""
+    """Outputs for one client's requests after a step, and the engine's stats.
+
+    ``kv_events`` is broadcast to every client (with empty ``outputs``), batched over steps.
+    """
 
     outputs: list[RequestOutput]
     stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    kv_events: KVCacheEvents | None = None
 
 
 class Error(Struct, tag="error", array_like=True):

@@ -14,7 +14,7 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ..dp_router import RoutingConfig
 from ..metrics import FrontendMetrics, stats_log_line
 from ..reuse_port import bind_reuseport
 from ..tokenizer import Tokenizer
@@ -52,6 +53,9 @@ class ServerConfig:
     log_stats: bool = True
     connect_timeout: float = 60.0
     frontend_name: str | None = None
+    # Data parallel: every engine-core's address (more than one: requests are routed among them).
+    engine_addresses: list[str] | None = None
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -143,7 +147,8 @@ async def _refresh_engine_stats(ctx: ServingContext, timeout: float) -> None:
     with contextlib.suppress(Exception):
         result = await asyncio.wait_for(ctx.client.call_utility("get_stats"), timeout=timeout)
         if getattr(result, "ok", False) and result.result is not None and not isinstance(result.result, bool):
-            ctx.metrics.set_engine_stats(result.result)
+            per_engine = getattr(ctx.client, "engine_stats", None)  # data parallel: each engine-core's own
+            ctx.metrics.set_engine_stats(result.result, per_engine=per_engine() if per_engine else None)
             return
     ctx.metrics.set_engine_stats(getattr(ctx.client, "stats", None))
 
@@ -172,9 +177,7 @@ async def _background(ctx: ServingContext, log_stats: bool) -> None:
 async def connect_context(config: ServerConfig, client: Any = None) -> ServingContext:
     """Connect to the engine-core, load the tokenizer, and make the handlers' context."""
     if client is None:
-        from ..client import EngineClient
-
-        client = EngineClient(config.engine_address, client_name=config.frontend_name or f"frontend-{os.getpid()}")
+        client = _engine_client(config)
     ready = await client.connect(timeout=config.connect_timeout)
     tokenizer = Tokenizer.from_dir(config.tokenizer or ready.model_path, chat_template=config.chat_template)
     name = config.served_model_name or ready.model_name
@@ -182,6 +185,19 @@ async def connect_context(config: ServerConfig, client: Any = None) -> ServingCo
     metrics = FrontendMetrics(name, config.metrics_dir or os.environ.get("EVENFLOW_METRICS_DIR"), config.frontend_name)
     return ServingContext(client, tokenizer, name, ready.max_model_len, ready.vocab_size, metrics,
                           api_key=config.api_key, model_root=ready.model_path, model_aliases=aliases)
+
+
+def _engine_client(config: ServerConfig) -> Any:
+    """One engine-core: an EngineClient; several: a DataParallelClient routing among them."""
+    name = config.frontend_name or f"frontend-{os.getpid()}"
+    addresses = config.engine_addresses or [config.engine_address]
+    if len(addresses) > 1:
+        from ..dp_client import DataParallelClient
+
+        return DataParallelClient(addresses, name, config.routing)
+    from ..client import EngineClient
+
+    return EngineClient(addresses[0], client_name=name)
 
 
 def build_app(config: ServerConfig, context: Callable[[], Awaitable[ServingContext]] | None = None) -> Starlette:

@@ -216,3 +216,10 @@ def test_bench_cpu_kernels_quick() -> None:
     attention = {line.split("]")[0].strip(): line for line in lines if "D [" in line}
     assert attention["3-D [H, n, D"].endswith("_scaled_dot_product_attention_math")
     assert attention["4-D [1, H, n, D"].endswith("_scaled_dot_product_flash_attention_for_cpu")
+
+
+def test_bench_dp_routing_smoke(tiny_llama: Path) -> None:
+    result = run_script("bench_dp_routing.py", ["--smoke", "--model", str(tiny_llama)], timeout_s=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [ln for ln in result.stdout.splitlines() if ln.startswith("| ") and "%" in ln]
+    assert [r.split("|")[1].strip() for r in rows] == ["prefix", "round_robin", "load"]

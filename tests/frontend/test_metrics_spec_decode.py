@@ -20,3 +20,11 @@ def test_spec_decode_counters_are_rendered() -> None:
         assert values[f'evenflow:spec_decode_num_{name}_total{{model_name="demo"}}'] == value
     for position, value in enumerate([4, 2, 0]):
         assert values[f'evenflow:spec_decode_num_accepted_tokens_per_pos_total{{model_name="demo",position="{position}"}}'] == value
+
+
+def test_data_parallel_totals_add_per_position_counts() -> None:
+    from evenflow.frontend.dp_client import sum_stats
+
+    total = sum_stats([SchedulerStats(spec_decode_num_drafts=2, spec_decode_num_accepted_tokens_per_pos=[3, 1]),
+                       SchedulerStats(spec_decode_num_drafts=1, spec_decode_num_accepted_tokens_per_pos=[1, 1, 1])])
+    assert total.spec_decode_num_drafts == 3 and total.spec_decode_num_accepted_tokens_per_pos == [4, 2, 1]

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
@@ -34,6 +35,7 @@ from .request import Request
 from .routing import RequestRouter
 from .step_timing import StepTiming
 from .scheduler import Scheduler
+from .structured_output import StructuredOutputManager
 from .workers import WorkerFailure, WorkerGroup
 
 log = logging.getLogger("evenflow.core.engine")
@@ -97,7 +99,10 @@ class EngineCore:
             enable_prefix_caching=self.cfg.enable_prefix_caching)
         sched_cfg.validate()
         self.workers.init_kv_cache(num_blocks)
-        self.scheduler = Scheduler(sched_cfg)
+        # A finished grammar compile wakes an idle loop through the inbox (None: no message).
+        grammars = StructuredOutputManager(Path(self.info.model_path) / "tokenizer.json", self.info.vocab_size,
+                                           self.info.eos_token_ids, wake=lambda: self.link.inbox.put(None))  # type: ignore[union-attr]
+        self.scheduler = Scheduler(sched_cfg, grammars)
         ready = Ready(PROTOCOL_VERSION, self.info.model_name, self.info.model_path, self.max_model_len,
                       self.info.vocab_size, list(self.info.eos_token_ids), self.block_size, num_blocks,
                       self.cfg.max_num_batched_tokens, uuid.uuid4().hex[:12], self.cfg.max_frame_bytes)
@@ -137,6 +142,8 @@ class EngineCore:
             return 1
         finally:
             self.link.close()
+            if self.scheduler.structured_output is not None:
+                self.scheduler.structured_output.shutdown()
             self.workers.shutdown(timeout=1.0 if self._stop_reason is None else 5.0)
             self._ctx.destroy(linger=0)
 
@@ -161,6 +168,9 @@ class EngineCore:
         scheduled = False
         if len(self._in_flight) < self._depth and sched.has_unfinished_requests():
             so = sched.schedule()
+            failed = sched.take_grammar_failures()
+            if failed:
+                self._publish(failed)
             if so.total_num_scheduled_tokens > 0:
                 self._send(so)
                 scheduled = True
@@ -206,7 +216,9 @@ class EngineCore:
 
     # ----------------------------------------------------------------------------- inputs
 
-    def _on_input(self, item: ClientMessage | ClientGone) -> None:
+    def _on_input(self, item: ClientMessage | ClientGone | None) -> None:
+        if item is None:  # a grammar compile finished: waking the loop was the point
+            return
         if isinstance(item, ClientGone):
             ids = self._router.drop_client(item.identity)
             if ids:

@@ -23,6 +23,7 @@ from evenflow.worker.attention.base import AttentionInputs
 from evenflow.worker.attention.selector import select_backend
 from evenflow.worker.batch import PersistentBatch, RequestState, StepInputs
 from evenflow.worker.config_reader import read_model_config
+from evenflow.worker.grammar_mask import apply_grammar_bitmask
 from evenflow.worker.kv_cache import allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks
 from evenflow.worker.loader import load_weights, resolve_dtype
 from evenflow.worker.models.registry import build_model
@@ -148,6 +149,8 @@ class ModelRunner:
         t2 = time.perf_counter()
         self.threads.after_step(t2 - t1)
         sampled_reqs = [s for s, m in zip(inputs.requests, inputs.sample_mask.tolist()) if m]
+        if so.structured_output_req_ids and self.tp.rank == 0:  # only rank 0 samples
+            logits = apply_grammar_bitmask(logits, [s.req_id for s in sampled_reqs], so, self.vocab_size)
         sampled, logprobs = self._sample(logits, sampled_reqs)
         self.batch.append_sampled(sampled_reqs, sampled)
         t3 = time.perf_counter()

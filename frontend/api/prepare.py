@@ -14,7 +14,7 @@ from typing import Any, Callable, TypeVar
 
 import msgspec
 
-from evenflow.protocol import SamplingParams
+from evenflow.protocol import SamplingParams, StructuredOutputsParams
 
 from ..chat_template import ChatTemplateError, content_text, render_chat
 from ..tokenizer import Tokenizer
@@ -135,9 +135,6 @@ def check_unsupported(req: Any) -> None:
     def refuse(field: str) -> None:
         raise bad_request(f"{field} is not supported by evenflow", field)
 
-    response_format = getattr(req, "response_format", None)
-    if response_format is not None and response_format.get("type", "text") != "text":
-        refuse("response_format")
     if getattr(req, "logit_bias", None):
         refuse("logit_bias")
     if getattr(req, "tools", None):
@@ -174,6 +171,7 @@ def plan_choices(
     logprobs: int | None,
     max_tokens: int | None = None,
     default_max_tokens: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> ChoicePlan:
     """SamplingParams for each of ``req.n`` choices, after every length and range check.
 
@@ -217,6 +215,7 @@ def plan_choices(
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        structured_outputs=structured_outputs,
     )
     problem = base.validate(vocab_size)
     if problem is not None:

@@ -40,9 +40,11 @@ from .request import Request
 
 log = logging.getLogger("evenflow.core.structured_output")
 
-# Seconds added to every compile, for tests that need a slow grammar (engine-cores run as
-# subprocesses, so the hook is an environment variable). Never set it in production.
+# Test hook: seconds added to the compile of every grammar whose text contains the marker (so one
+# test schema compiles slowly while the others do not). Engine-cores run as subprocesses, so the
+# hook is an environment variable; it does nothing unless set.
 COMPILE_DELAY_ENV = "EVENFLOW_TEST_GRAMMAR_COMPILE_DELAY_S"
+COMPILE_DELAY_MARKER = "evenflow-test-slow-compile"
 CACHE_SIZE = 1024  # compiled grammars kept (each a few hundred KB at most)
 COMPILE_THREADS = 2
 
@@ -147,7 +149,7 @@ class StructuredOutputManager:
         where llguidance builds its lexer), timed for the histogram."""
         tokenizer = self._tokenizer.result()  # type: ignore[union-attr]
         start = time.perf_counter()
-        if self._delay_s:
+        if self._delay_s and COMPILE_DELAY_MARKER in grammar:
             time.sleep(self._delay_s)
         matcher = ll.LLMatcher(tokenizer, grammar)
         if matcher.is_error():

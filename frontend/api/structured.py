@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
+
 from evenflow.protocol import StructuredOutputsParams
 from evenflow.protocol.structured_outputs import MissingGrammarLibrary, grammar_error
 
-from .errors import bad_request
+from .errors import APIError, bad_request
 from .prepare import off_loop_if_large
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -109,6 +111,17 @@ def check_structured_outputs(params: StructuredOutputsParams, field: str) -> Str
     if problem is not None:
         raise bad_request(problem, field)
     return params
+
+
+def offline_structured_outputs(params: StructuredOutputsParams) -> StructuredOutputsParams:
+    """For ``LLM``: accept ``json`` as an object (as vLLM does), serialize it canonically, and
+    compile-check; a problem is a ValueError with the compiler's message."""
+    try:
+        if params.json is not None and not isinstance(params.json, str):
+            params = msgspec.structs.replace(params, json=canonical_json(params.json, "structured_outputs.json"))
+        return check_structured_outputs(params, "structured_outputs")
+    except APIError as e:
+        raise ValueError(e.message) from None
 
 
 async def structured_outputs_async(req: Any) -> StructuredOutputsParams | None:

@@ -181,3 +181,16 @@ def test_slow_compile_and_many_schemas_leave_other_streams_flowing(server: str, 
         assert during < max(1.0, 3 * baseline) < SLOW_COMPILE_S, (baseline, during)
     metrics = httpx.get(server + "/metrics", timeout=10).text
     assert "evenflow:grammar_compile_seconds_bucket" in metrics and "evenflow:grammar_cache_hits_total" in metrics
+
+
+def test_offline_llm_takes_a_schema_object_and_refuses_a_bad_one(demo_model_dir: Path) -> None:
+    from evenflow.frontend import LLM, SamplingParams, StructuredOutputsParams
+
+    schema = {"enum": ["on", "off", "auto"]}
+    with LLM(model=str(demo_model_dir), max_model_len=128, num_kv_blocks=32, max_num_batched_tokens=64,
+             max_num_seqs=8) as llm:
+        params = SamplingParams(max_tokens=10, n=3, seed=0, structured_outputs=StructuredOutputsParams(json=schema))  # type: ignore[arg-type]
+        outs = llm.generate("state:", params)[0].outputs
+        assert len(outs) == 3 and all(o.finish_reason == "stop" and json.loads(o.text) in schema["enum"] for o in outs)
+        with pytest.raises(ValueError, match="unclosed group"):
+            llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a")))

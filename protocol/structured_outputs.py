@@ -9,6 +9,7 @@ lazily, so nothing else in ``protocol`` needs it.
 
 from __future__ import annotations
 
+import functools
 import json
 from types import ModuleType
 
@@ -76,13 +77,23 @@ def grammar_error(params: StructuredOutputsParams) -> str | None:
 
     Raises ``MissingGrammarLibrary`` when llguidance is absent.
     """
+    import_llguidance()  # before the cache: a spec checked earlier still needs the library now
     try:
         kind_spec = params.kind_and_spec()
-        if kind_spec is None:
-            return "structured_outputs sets no constraint: set one of json, regex, choice, grammar, json_object"
-        if kind_spec[0] == "json":
-            json.loads(kind_spec[1])  # a clearer message than the compiler's for non-JSON text
-        to_grammar(*kind_spec)
+    except ValueError as e:
+        return str(e)
+    if kind_spec is None:
+        return "structured_outputs sets no constraint: set one of json, regex, choice, grammar, json_object"
+    return _spec_error(*kind_spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_error(kind: str, spec: str) -> str | None:
+    """Cached per spec: a frontend sees the same schemas again and again."""
+    try:
+        if kind == "json":
+            json.loads(spec)  # a clearer message than the compiler's for non-JSON text
+        to_grammar(kind, spec)
     except json.JSONDecodeError as e:
         return f"invalid json schema: {e}"
     except ValueError as e:

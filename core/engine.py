@@ -168,9 +168,8 @@ class EngineCore:
         scheduled = False
         if len(self._in_flight) < self._depth and sched.has_unfinished_requests():
             so = sched.schedule()
-            failed = sched.take_grammar_failures()
-            if failed:
-                self._publish(failed)
+            for error in sched.take_grammar_failures():  # the request is gone: tell its client why
+                self._send_request_error(error)
             if so.total_num_scheduled_tokens > 0:
                 self._send(so)
                 scheduled = True
@@ -255,6 +254,12 @@ class EngineCore:
             link.send(identity, Error(ERR_INVALID_REQUEST, str(e), msg.request_id))
             return
         self._router.add(eid, identity, msg.request_id)
+
+    def _send_request_error(self, error: Error) -> None:
+        route = self._router.forget(error.request_id)  # type: ignore[arg-type]
+        if route is not None:
+            identity, error.request_id = route
+            self.link.send(identity, error)  # type: ignore[union-attr]
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         if call.method == "get_stats":

@@ -18,7 +18,9 @@ from bisect import insort
 from collections.abc import Iterable
 
 from evenflow.protocol import (
+    ERR_INVALID_REQUEST,
     CachedRequestData,
+    Error,
     ModelRunnerOutput,
     NewRequestData,
     RequestOutput,
@@ -52,7 +54,7 @@ class Scheduler:
         self._num_generation_tokens = 0
         self._schedule_s = 0.0
         self._update_s = 0.0
-        self._grammar_failures: list[RequestOutput] = []  # for take_grammar_failures
+        self._grammar_failures: list[Error] = []  # for take_grammar_failures
 
     @property
     def num_running(self) -> int:
@@ -76,7 +78,7 @@ class Scheduler:
         if request.use_structured_output:
             if self.structured_output is None:
                 raise ValueError("this engine-core does not serve structured output")
-            self.structured_output.submit(request)  # ValueError for a bad grammar
+            self.structured_output.submit(request)  # ValueError when it cannot even start
             request.status = RequestStatus.WAITING_FOR_FSM
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -238,17 +240,17 @@ class Scheduler:
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether a WAITING_FOR_FSM request's grammar compiled (it becomes WAITING); a failed
-        compile finishes it with an error output (see ``take_grammar_failures``)."""
+        compile finishes it (its client hears why: ``take_grammar_failures``)."""
         problem = self.structured_output.resolve(request)  # type: ignore[union-attr]
         if problem:
             self._finish(request, RequestStatus.FINISHED_ERROR)
-            self._grammar_failures.append(RequestOutput(request.request_id, [], "error"))
+            self._grammar_failures.append(Error(ERR_INVALID_REQUEST, problem, request.request_id))
         elif problem == "":
             request.status = RequestStatus.WAITING
         return problem == ""
 
-    def take_grammar_failures(self) -> list[RequestOutput]:
-        """Outputs of requests whose grammar failed to compile since the last call."""
+    def take_grammar_failures(self) -> list[Error]:
+        """``invalid_request`` errors (engine request ids) of the grammars that failed to compile."""
         failures, self._grammar_failures = self._grammar_failures, []
         return failures
 

@@ -1,9 +1,10 @@
 """Structured output in the engine-core: grammars compiled off the busy loop, one matcher per request.
 
-* ``submit`` (from ``Scheduler.add_request``) validates the spec (once per distinct spec, a few ms;
-  a bad one is refused like any bad request) and starts its compile on a thread pool; the request
-  waits in ``WAITING_FOR_FSM`` at its place in the queue. The compile's done-callback calls
-  ``wake`` so an idle loop schedules it at once instead of at its next timeout.
+* ``submit`` (from ``Scheduler.add_request``) starts the compile on a thread pool (validation
+  included: for a large schema it costs as much as the compile, up to ~0.1 s); the request waits in
+  ``WAITING_FOR_FSM`` at its place in the queue. The compile's done-callback calls ``wake`` so an
+  idle loop schedules it at once instead of at its next timeout. A spec that does not compile ends
+  its request with the compiler's message (``resolve``).
 * Compiled grammars are cached by ``(kind, spec)`` (LRU): a request takes a ``deep_copy`` of the
   cached, never-advanced matcher. The cache holds futures, so requests that arrive while the same
   spec compiles share that one compile (counted as cache hits).
@@ -102,8 +103,8 @@ class StructuredOutputManager:
     # ------------------------------------------------------------------ compile
 
     def submit(self, request: Request) -> None:
-        """Start (or share) the compile of ``request``'s grammar. Raises ValueError naming the
-        problem for a bad spec, a missing library or a model folder without tokenizer.json."""
+        """Start (or share) the compile of ``request``'s grammar. Raises ValueError for what is
+        known at once: two constraints, a missing library, a model folder without tokenizer.json."""
         params = request.sampling_params.structured_outputs
         assert params is not None
         key = params.kind_and_spec()
@@ -116,8 +117,7 @@ class StructuredOutputManager:
                 self.stats.cache_hits += 1
         else:
             ll = self._start()
-            grammar = to_grammar(*key)  # ValueError with the compiler's message
-            compiled = self._pool.submit(self._compile, ll, grammar)  # type: ignore[union-attr]
+            compiled = self._pool.submit(self._compile, ll, *key)  # type: ignore[union-attr]
             compiled.add_done_callback(lambda _: self.wake())
             self._cache[key] = compiled
             if len(self._cache) > CACHE_SIZE:
@@ -144,11 +144,13 @@ class StructuredOutputManager:
         n_vocab = max(self.vocab_size, Tokenizer.from_file(str(self.tokenizer_file)).get_vocab_size(True))
         return ll.LLTokenizer(self.tokenizer_file.read_text(), n_vocab=n_vocab, eos_token=self.eos_token_ids)
 
-    def _compile(self, ll: Any, grammar: str) -> Any:
-        """On a pool thread: the template matcher (construction plus the first mask, which is
-        where llguidance builds its lexer), timed for the histogram."""
+    def _compile(self, ll: Any, kind: str, spec: str) -> Any:
+        """On a pool thread: the template matcher (validation, construction and the first mask,
+        where llguidance builds its lexer), timed for the histogram. Raises ValueError with the
+        compiler's message."""
         tokenizer = self._tokenizer.result()  # type: ignore[union-attr]
         start = time.perf_counter()
+        grammar = to_grammar(kind, spec)
         if self._delay_s and COMPILE_DELAY_MARKER in grammar:
             time.sleep(self._delay_s)
         matcher = ll.LLMatcher(tokenizer, grammar)
@@ -168,7 +170,7 @@ class StructuredOutputManager:
             return None
         error = state.compiled.exception()
         if error is not None:
-            return f"grammar compilation failed: {error}"
+            return str(error) if isinstance(error, ValueError) else f"grammar compilation failed: {error!r}"
         self.rebuild(request)
         return ""
 

@@ -175,8 +175,6 @@ def test_cache_shares_compiles_and_counts_hits(tokenizer_file: Path) -> None:
 def test_bad_grammar_and_missing_library_are_refused_with_the_reason(tokenizer_file: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     scheduler = make(tokenizer_file)
-    with pytest.raises(ValueError, match="unclosed group"):
-        add(scheduler, "bad", StructuredOutputsParams(regex="a(b"))
     with pytest.raises(ValueError, match="set exactly one"):
         add(scheduler, "two", StructuredOutputsParams(regex="a", choice=["b"]))
     assert not scheduler.has_unfinished_requests()
@@ -188,18 +186,14 @@ def test_bad_grammar_and_missing_library_are_refused_with_the_reason(tokenizer_f
             Request("y", [1], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"))))
 
 
-def test_failed_compile_finishes_the_request_with_an_error(tokenizer_file: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_grammar_finishes_its_request_with_the_compilers_message(tokenizer_file: Path) -> None:
     scheduler = make(tokenizer_file)
-
-    def broken(ll: object, grammar: str) -> None:
-        raise ValueError("boom")
-
-    monkeypatch.setattr(scheduler.structured_output, "_compile", broken)
-    request = add(scheduler, "f", StructuredOutputsParams(regex="z+"))
+    bad = add(scheduler, "bad", StructuredOutputsParams(regex="a(b"))  # validated off the loop too
+    add(scheduler, "plain", None)
     with pytest.raises(ValueError):
-        wait_compiled(request)
-    assert scheduler.schedule().total_num_scheduled_tokens == 0
-    failures = scheduler.take_grammar_failures()
-    assert [(o.request_id, o.finish_reason) for o in failures] == [("f", "error")]
-    assert request.status == RequestStatus.FINISHED_ERROR and not scheduler.has_unfinished_requests()
+        wait_compiled(bad)
+    assert list(scheduler.schedule().num_scheduled_tokens) == ["plain"]
+    [error] = scheduler.take_grammar_failures()
+    assert error.code == "invalid_request" and error.request_id == "bad" and "unclosed group" in error.message
+    assert bad.status == RequestStatus.FINISHED_ERROR and "bad" not in scheduler.requests
+    assert scheduler.take_grammar_failures() == []

@@ -14,6 +14,7 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -43,8 +44,14 @@ REGEX = r"(yes|no)-[0-9]{2,3}"
 CHOICES = ["alpha", "beta", "gamma delta"]
 
 
+@dataclass
+class Live:
+    url: str  # the frontend's HTTP address
+    engine: str  # the engine-core's address, for raw wire clients
+
+
 @pytest.fixture(scope="module")
-def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def live(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     tmp = tmp_path_factory.mktemp("structured")
     engine_addr = f"ipc://{tmp}/engine.sock"
     port = free_port()
@@ -56,7 +63,7 @@ def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     procs.append(start(["-m", "evenflow.frontend.cli", "--engine", engine_addr, "--port", str(port)], logs[1], env))
     try:
         wait_for(lambda: "serving demo" in logs[1].read_text(errors="replace"), 120, procs, logs)
-        yield f"http://127.0.0.1:{port}"
+        yield Live(f"http://127.0.0.1:{port}", engine_addr)
     finally:
         stop(procs[1:])
         stop(procs[:1])
@@ -92,13 +99,13 @@ def check(choices: list[dict[str, Any]], tokenizer: Any, kind: str, spec: str, v
     return [c["finish_reason"] for c in choices]
 
 
-def test_json_schema_outputs_validate_or_are_accepted_prefixes(server: str, tokenizer: Any) -> None:
+def test_json_schema_outputs_validate_or_are_accepted_prefixes(live: Live, tokenizer: Any) -> None:
     reasons = []
     for i, schema in enumerate(SCHEMAS):
         spec = json.dumps(schema, sort_keys=True, separators=(",", ":"))
         rf = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
         for temperature in (0.0, 1.0):
-            choices = complete(server, response_format=rf, max_tokens=40, n=3, seed=i, temperature=temperature)
+            choices = complete(live.url, response_format=rf, max_tokens=40, n=3, seed=i, temperature=temperature)
 
             def valid(text: str, schema: dict = schema) -> bool:
                 jsonschema.validate(json.loads(text), schema)
@@ -108,14 +115,14 @@ def test_json_schema_outputs_validate_or_are_accepted_prefixes(server: str, toke
     assert "stop" in reasons  # the validity check above was not vacuous
 
 
-def test_regex_choice_and_json_object_outputs(server: str, tokenizer: Any) -> None:
-    choices = complete(server, structured_outputs={"regex": REGEX}, max_tokens=12, n=4, seed=1)
+def test_regex_choice_and_json_object_outputs(live: Live, tokenizer: Any) -> None:
+    choices = complete(live.url, structured_outputs={"regex": REGEX}, max_tokens=12, n=4, seed=1)
     assert "stop" in check(choices, tokenizer, "regex", REGEX, lambda t: re.fullmatch(REGEX, t))
-    choices = complete(server, guided_choice=CHOICES, max_tokens=12, n=4, seed=2)
+    choices = complete(live.url, guided_choice=CHOICES, max_tokens=12, n=4, seed=2)
     assert set(check(choices, tokenizer, "choice", json.dumps(CHOICES), lambda t: t in CHOICES)) == {"stop"}
-    choices = complete(server, guided_regex=REGEX, max_tokens=3, n=2, seed=3)  # too short: cut prefixes
+    choices = complete(live.url, guided_regex=REGEX, max_tokens=3, n=2, seed=3)  # too short: cut prefixes
     assert set(check(choices, tokenizer, "regex", REGEX, lambda t: False)) == {"length"}
-    r = httpx.post(server + "/v1/chat/completions", timeout=120, json={
+    r = httpx.post(live.url + "/v1/chat/completions", timeout=120, json={
         "model": "demo", "messages": [{"role": "user", "content": "json please"}], "max_tokens": 30,
         "response_format": {"type": "json_object"}, "seed": 4})
     assert r.status_code == 200, r.text
@@ -124,8 +131,8 @@ def test_regex_choice_and_json_object_outputs(server: str, tokenizer: Any) -> No
         assert isinstance(json.loads(choice["message"]["content"]), dict)
 
 
-def test_invalid_schema_is_a_400_with_the_compilers_message(server: str) -> None:
-    r = httpx.post(server + "/v1/completions", timeout=30, json={
+def test_invalid_schema_is_a_400_with_the_compilers_message(live: Live) -> None:
+    r = httpx.post(live.url + "/v1/completions", timeout=30, json={
         "model": "demo", "prompt": "x", "guided_json": {"type": "object", "properties": {"a": {"pattern": "(("}}}})
     assert r.status_code == 400 and "unclosed group" in r.json()["error"]["message"]
 
@@ -144,10 +151,10 @@ def _max_gap(times: list[float], start: float, end: float) -> float:
     return max((b - a for a, b in zip(window, window[1:])), default=float("inf"))
 
 
-def test_slow_compile_and_many_schemas_leave_other_streams_flowing(server: str, tokenizer: Any) -> None:
+def test_slow_compile_and_many_schemas_leave_other_streams_flowing(live: Live, tokenizer: Any) -> None:
     times: list[list[float]] = [[], []]
     started = [threading.Event(), threading.Event()]
-    streams = [threading.Thread(target=_stream_times, args=(server, 440, times[i], started[i])) for i in (0, 1)]
+    streams = [threading.Thread(target=_stream_times, args=(live.url, 440, times[i], started[i])) for i in (0, 1)]
     for t in streams:
         t.start()
     for e in started:
@@ -160,8 +167,8 @@ def test_slow_compile_and_many_schemas_leave_other_streams_flowing(server: str, 
              "required": [f"k{i}"], "additionalProperties": False} for i in range(12)]
     t0 = time.monotonic()
     with ThreadPoolExecutor(13) as pool:
-        slow = pool.submit(complete, server, guided_json=slow_schema, max_tokens=8, temperature=0.0)
-        fast = [pool.submit(complete, server, guided_json=s, max_tokens=16, temperature=0.0) for s in many]
+        slow = pool.submit(complete, live.url, guided_json=slow_schema, max_tokens=8, temperature=0.0)
+        fast = [pool.submit(complete, live.url, guided_json=s, max_tokens=16, temperature=0.0) for s in many]
         fast_done = [f.result() for f in fast]
         t_fast = time.monotonic()
         slow_choice = slow.result()[0]
@@ -179,7 +186,7 @@ def test_slow_compile_and_many_schemas_leave_other_streams_flowing(server: str, 
         baseline = _max_gap(stream, stream[0], t0)
         during = _max_gap(stream, t0, t_slow)
         assert during < max(1.0, 3 * baseline) < SLOW_COMPILE_S, (baseline, during)
-    metrics = httpx.get(server + "/metrics", timeout=10).text
+    metrics = httpx.get(live.url + "/metrics", timeout=10).text
     assert "evenflow:grammar_compile_seconds_bucket" in metrics and "evenflow:grammar_cache_hits_total" in metrics
 
 
@@ -194,3 +201,38 @@ def test_offline_llm_takes_a_schema_object_and_refuses_a_bad_one(demo_model_dir:
         assert len(outs) == 3 and all(o.finish_reason == "stop" and json.loads(o.text) in schema["enum"] for o in outs)
         with pytest.raises(ValueError, match="unclosed group"):
             llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a")))
+
+
+def test_wire_client_gets_the_compilers_message_while_others_are_served(live: Live) -> None:
+    import zmq
+
+    from evenflow.protocol import (PROTOCOL_VERSION, AddRequest, Codec, EngineToFrontend, Error, Hello, Outputs,
+                                   SamplingParams, StructuredOutputsParams)
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(live.engine)
+    codec: Codec[EngineToFrontend] = Codec(EngineToFrontend)
+    try:
+        sock.send(codec.encode(Hello(PROTOCOL_VERSION, "raw")))
+        assert sock.poll(10000) and not isinstance(codec.decode(sock.recv()), Error)
+        bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="x(y"))
+        sock.send(codec.encode(AddRequest("bad", [5, 6], bad)))
+        sock.send(codec.encode(AddRequest("ok", [5, 6], SamplingParams(max_tokens=8, ignore_eos=True))))
+        errors, finished = [], None
+        while finished is None or not errors:  # both arrive, in either order
+            assert sock.poll(20000)
+            msg = codec.decode(sock.recv())
+            if isinstance(msg, Error):
+                errors.append(msg)
+            elif isinstance(msg, Outputs):
+                for out in msg.outputs:
+                    assert out.request_id == "ok"
+                    finished = out.finish_reason or finished
+        assert finished == "length"
+        assert [(e.code, e.request_id, e.fatal) for e in errors] == [("invalid_request", "bad", False)]
+        assert "unclosed group" in errors[0].message
+    finally:
+        sock.close(0)
+        ctx.term()

@@ -319,7 +319,7 @@ class Scheduler:
             if finished_status is not None:
                 any_running_finished |= request.status == RequestStatus.RUNNING
                 self._finish(request, finished_status)
-            elif proposals is not None and request.num_output_placeholders == 0 and request.grammar is None:
+            elif proposals is not None and request.num_output_placeholders == 0 and not request.use_structured_output:
                 # Drafts extend the last known token; with a step still in flight they would not.
                 request.spec_token_ids = list(proposals[i])
             elif request.spec_token_ids:

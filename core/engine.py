@@ -223,6 +223,7 @@ class EngineCore:
             if ids:
                 self.scheduler.abort_requests(ids)  # type: ignore[union-attr]
                 log.info("aborted %d requests of gone client %d", len(ids), item.client_index)
+            self.link.gone_handled(item.identity)  # type: ignore[union-attr]
             return
         msg = item.msg
         if isinstance(msg, AddRequest):

@@ -15,8 +15,15 @@ No pickle anywhere: these Structs are the whole vocabulary of the wire.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 from msgspec import Struct
+
+# The wire's integers are int64 (protocol/README.md): msgpack can also carry uint64, which a
+# decoder typed ``int`` would accept, so every field a client sends is bounded to int64.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 
 # --------------------------------------------------------------------------------------------
 # Shared
@@ -59,19 +66,19 @@ class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True):
     sampled token's own logprob).
     """
 
-    max_tokens: int = 16
-    min_tokens: int = 0
+    max_tokens: Int64 = 16
+    min_tokens: Int64 = 0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: Int64 = 0
     min_p: float = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[Int64] = []
     ignore_eos: bool = False
-    logprobs: int | None = None
+    logprobs: Int64 | None = None
     # Constrained decoding (a grammar); None: free text. Requests with one are never speculated.
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -93,8 +100,10 @@ class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True):
             return f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             return f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
-        if not (self.repetition_penalty > 0.0):
-            return f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+        if not (0.0 < self.repetition_penalty < float("inf")):
+            return f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"
+        if self.seed is not None and not (INT64_MIN <= self.seed <= INT64_MAX):  # built in Python, not decoded
+            return f"seed must be an int64, got {self.seed}"
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             return f"logprobs must be in [0, 20], got {self.logprobs}"
         if vocab_size is not None:
@@ -246,7 +255,7 @@ WorkerToEngine = ModelRunnerOutput | WorkerReady | WorkerError
 class Hello(Struct, tag="hello", array_like=True, forbid_unknown_fields=True):
     """First message of a frontend: its protocol version and a name for logs."""
 
-    protocol_version: int
+    protocol_version: Int64
     client_name: str = ""
 
 
@@ -254,9 +263,9 @@ class AddRequest(Struct, tag="request", array_like=True, forbid_unknown_fields=T
     """Submit a request. ``request_id`` is unique among this client's live requests."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[Int64]
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    priority: int = 0
+    priority: Int64 = 0
     arrival_time: float = 0.0  # unix seconds at the frontend; 0 = when the engine receives it
 
 
@@ -273,7 +282,7 @@ class Heartbeat(Struct, tag="heartbeat", array_like=True):
 class UtilityCall(Struct, tag="utility", array_like=True, forbid_unknown_fields=True):
     """Call an engine method by name: ``reset_prefix_cache``, ``get_stats``."""
 
-    call_id: int
+    call_id: Int64
     method: str
 
 
@@ -369,7 +378,7 @@ EngineToFrontend = Ready | Outputs | Error | UtilityResult
 # Error codes (also listed in protocol/README.md).
 ERR_BAD_FRAME = "bad_frame"  # undecodable bytes, unknown tag, wrong field type, oversize
 ERR_VERSION = "version_mismatch"
-ERR_NOT_READY = "no_hello"  # a message before Hello
+ERR_NOT_READY = "no_hello"  # a message before Hello, or (unsolicited) the client was dropped
 ERR_INVALID_REQUEST = "invalid_request"  # bad params, out-of-vocab ids, too long prompt
 ERR_DUPLICATE_ID = "duplicate_request_id"
 ERR_WORKER_DIED = "worker_died"

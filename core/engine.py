@@ -102,6 +102,7 @@ class EngineCore:
         # A finished grammar compile wakes an idle loop through the inbox (None: no message).
         grammars = StructuredOutputManager(Path(self.info.model_path) / "tokenizer.json", self.info.vocab_size,
                                            self.info.eos_token_ids, wake=lambda: self.link.inbox.put(None))  # type: ignore[union-attr]
+        grammars.prepare()
         self.scheduler = Scheduler(sched_cfg, grammars)
         ready = Ready(PROTOCOL_VERSION, self.info.model_name, self.info.model_path, self.max_model_len,
                       self.info.vocab_size, list(self.info.eos_token_ids), self.block_size, num_blocks,

@@ -124,6 +124,15 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         request.grammar = GrammarState(compiled)
 
+    def prepare(self) -> None:
+        """Start building the tokenizer now, at engine start, when llguidance and tokenizer.json
+        are there (a no-op otherwise): the build holds the GIL for 0.1-0.7 s, which would stall
+        the loop's streams if it waited for the first structured request."""
+        try:
+            self._start()
+        except ValueError:
+            pass  # no library or no tokenizer: structured requests will be refused with the reason
+
     def _start(self) -> Any:
         """llguidance, the pool and the tokenizer build, on first use."""
         try:

@@ -4,13 +4,14 @@ Accepted, as vLLM does: OpenAI's ``response_format`` (``text``, ``json_object``,
 vLLM's ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``,
 ``json_object``) and the older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar``. At most one constraint per request. Every constraint is compiled here first
-(llguidance, off the event loop when large), so a bad schema, regex or grammar is a 400 carrying
+(llguidance, in a worker thread: never on the event loop), so a bad schema, regex or grammar is a 400 carrying
 the compiler's message and never reaches the engine; without llguidance installed it is a 400
 naming the extra to install.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -20,7 +21,6 @@ from evenflow.protocol import StructuredOutputsParams
 from evenflow.protocol.structured_outputs import MissingGrammarLibrary, grammar_error
 
 from .errors import APIError, bad_request
-from .prepare import off_loop_if_large
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -125,11 +125,9 @@ def offline_structured_outputs(params: StructuredOutputsParams) -> StructuredOut
 
 
 async def structured_outputs_async(req: Any) -> StructuredOutputsParams | None:
-    """``structured_outputs_of`` + ``check_structured_outputs``, compiling off the event loop
-    when the spec is large."""
+    """``structured_outputs_of`` + ``check_structured_outputs``, the compile in a worker thread:
+    even a small schema can take tens of ms to validate, and the event loop feeds every stream."""
     found = structured_outputs_of(req)
     if found is None:
         return None
-    params, field = found
-    size = sum(len(s) for s in (params.json, params.regex, params.grammar) if s) + len(str(params.choice or ""))
-    return await off_loop_if_large(size, check_structured_outputs, params, field)
+    return await asyncio.to_thread(check_structured_outputs, *found)

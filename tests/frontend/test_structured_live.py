@@ -31,7 +31,7 @@ llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.slow
 
-SLOW_COMPILE_S = 3.0
+SLOW_COMPILE_S = 4.0
 SCHEMAS: list[dict[str, Any]] = [
     {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
                                       "color": {"enum": ["red", "green", "blue"]}},
@@ -181,11 +181,17 @@ def test_slow_compile_and_many_schemas_leave_other_streams_flowing(live: Live, t
     for schema, choices in zip(many, fast_done):
         check(choices, tokenizer, "json", json.dumps(schema, sort_keys=True, separators=(",", ":")),
               lambda text, s=schema: jsonschema.validate(json.loads(text), s) is None)
-    # While it compiled, the plain streams kept their pace: no gap near the compile time.
+    # While only the slow grammar was compiling, the plain streams kept their pace; while the 12
+    # others compiled (2 threads; llguidance holds the GIL for part of each), they slowed but
+    # never stopped. A loop blocked by a compile would show a gap of SLOW_COMPILE_S.
     for stream in times:
         baseline = _max_gap(stream, stream[0], t0)
-        during = _max_gap(stream, t0, t_slow)
-        assert during < max(1.0, 3 * baseline) < SLOW_COMPILE_S, (baseline, during)
+        burst = _max_gap(stream, t0, t_fast)
+        slow_only = _max_gap(stream, t_fast, t_slow - 0.5)
+        print(f"plain stream: largest gap {baseline:.3f} s before, {burst:.3f} s while 12 schemas compiled, "
+              f"{slow_only:.3f} s while only the slow one did")
+        assert slow_only < max(0.5, 3 * baseline), (baseline, slow_only)
+        assert burst < SLOW_COMPILE_S / 2, (baseline, burst)
     metrics = httpx.get(live.url + "/metrics", timeout=10).text
     assert "evenflow:grammar_compile_seconds_bucket" in metrics and "evenflow:grammar_cache_hits_total" in metrics
 

@@ -32,8 +32,7 @@ from evenflow.protocol import (
 )
 from evenflow.protocol.codec import engine_codec
 from evenflow.protocol.request_envelope import RequestRefused
-
-from .validation import validate_add_request
+from evenflow.protocol.validation import check_add_request
 
 log = logging.getLogger("evenflow.core.frontend_link")
 
@@ -249,9 +248,9 @@ class FrontendLink:
         elif isinstance(msg, Heartbeat):
             self._reply(router, identity, Outputs([], self._stats, time.time()))
         elif isinstance(msg, AddRequest):
-            problem = validate_add_request(msg, self._ready.vocab_size, self._ready.max_model_len)
+            problem = check_add_request(msg, self._ready.vocab_size, self._ready.max_model_len)
             if problem is not None:
-                self._reply(router, identity, Error(ERR_INVALID_REQUEST, problem, msg.request_id))
+                self._reply(router, identity, Error(ERR_INVALID_REQUEST, problem.message, msg.request_id))
             else:
                 self.inbox.put(ClientMessage(identity, client.index, msg))
         else:  # Abort, UtilityCall

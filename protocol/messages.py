@@ -63,7 +63,7 @@ class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True):
 
     ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k. ``logprobs`` is the number of
     top alternatives to report per sampled token (``None``: no logprobs at all; ``0``: only the
-    sampled token's own logprob).
+    sampled token's own logprob). The range rules live in ``protocol/validation.py``.
     """
 
     max_tokens: Int64 = 16
@@ -81,36 +81,6 @@ class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True):
     logprobs: Int64 | None = None
     # Constrained decoding (a grammar); None: free text. Requests with one are never speculated.
     structured_outputs: StructuredOutputsParams | None = None
-
-    def validate(self, vocab_size: int | None = None) -> str | None:
-        """Return a message naming the first bad field, or None when the params are usable."""
-        if self.max_tokens < 1:
-            return f"max_tokens must be >= 1, got {self.max_tokens}"
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            return f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-        if not (0.0 <= self.temperature < float("inf")):
-            return f"temperature must be finite and >= 0, got {self.temperature}"
-        if not (0.0 < self.top_p <= 1.0):
-            return f"top_p must be in (0, 1], got {self.top_p}"
-        if self.top_k < -1:
-            return f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"
-        if not (0.0 <= self.min_p <= 1.0):
-            return f"min_p must be in [0, 1], got {self.min_p}"
-        if not (-2.0 <= self.presence_penalty <= 2.0):
-            return f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
-        if not (-2.0 <= self.frequency_penalty <= 2.0):
-            return f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
-        if not (0.0 < self.repetition_penalty < float("inf")):
-            return f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"
-        if self.seed is not None and not (INT64_MIN <= self.seed <= INT64_MAX):  # built in Python, not decoded
-            return f"seed must be an int64, got {self.seed}"
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            return f"logprobs must be in [0, 20], got {self.logprobs}"
-        if vocab_size is not None:
-            for t in self.stop_token_ids:
-                if not (0 <= t < vocab_size):
-                    return f"stop_token_ids contains {t}, outside the vocabulary [0, {vocab_size})"
-        return None
 
 
 class TokenLogprobs(Struct, array_like=True):
@@ -213,6 +183,8 @@ class WorkerConfig(Struct, forbid_unknown_fields=True):
     engine_input_addr: str = ""  # where SchedulerOutputs come from (engine binds PUB/PUSH)
     engine_output_addr: str = ""  # where results go (engine binds PULL)
     num_threads: int | None = None
+    # Links over TCP to an engine-core on another host: CURVE keys from $EVENFLOW_DIST_SECRET.
+    secure_link: bool = False
 
 
 class WorkerReady(Struct, tag="worker_ready", array_like=True):
@@ -303,6 +275,8 @@ class Ready(Struct, tag="ready", array_like=True):
     max_num_batched_tokens: int
     engine_id: str
     max_frame_bytes: int = 0  # the engine's --max-frame-bytes; 0 = unknown (an older engine)
+    # Other names the model answers to (the folder's base name when no --served-model-name was given).
+    model_aliases: list[str] = []
 
 
 class RequestOutput(Struct, array_like=True, omit_defaults=True):
@@ -340,6 +314,7 @@ class SchedulerStats(Struct, array_like=True):
     worker_forward_s: float = 0.0  # cumulative worker seconds in the forward pass
     worker_sample_s: float = 0.0  # cumulative worker seconds sampling
     worker_idle_s: float = 0.0  # cumulative seconds the engine had no step in flight
+    num_scheduled_tokens: int = 0  # cumulative sum of every step's scheduled tokens (recomputation included)
     # Structured output (cumulative): grammar compiles per histogram bucket (bounds in
     # protocol/structured_outputs.py COMPILE_BUCKETS_S, last = +Inf), their seconds, and cache hits.
     grammar_compile_buckets: list[int] = []
@@ -347,12 +322,29 @@ class SchedulerStats(Struct, array_like=True):
     grammar_cache_hits: int = 0
 
 
+class KVCacheEvents(Struct, array_like=True, omit_defaults=True):
+    """Prefix-cache changes since the engine's previous report, for frontends that route by prefix.
+
+    ``stored``: block hashes (protocol/block_hash.py) newly cached; ``removed``: hashes evicted.
+    Each hash appears at most once, in its latest state. ``cleared``: the whole cache was reset
+    before these changes.
+    """
+
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    cleared: bool = False
+
+
 class Outputs(Struct, tag="outputs", array_like=True):
-    """Outputs for one client's requests after a step, and the engine's stats."""
+    """Outputs for one client's requests after a step, and the engine's stats.
+
+    ``kv_events`` is broadcast to every client (with empty ``outputs``), batched over steps.
+    """
 
     outputs: list[RequestOutput]
     stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    kv_events: KVCacheEvents | None = None
 
 
 class Error(Struct, tag="error", array_like=True):

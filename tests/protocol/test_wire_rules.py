@@ -14,6 +14,7 @@ from evenflow.protocol import (
 )
 from evenflow.protocol.codec import engine_codec
 from evenflow.protocol.request_envelope import RequestRefused
+from evenflow.protocol.validation import check_sampling_params
 
 pack = msgspec.msgpack.encode
 
@@ -77,9 +78,9 @@ def test_every_int64_bound_is_accepted_and_one_past_is_refused() -> None:
     assert "seed" in refusal(["request", "r", [1], {"seed": INT64_MAX + 1}]).args[0]
 
 
-def test_seed_outside_int64_built_in_python_is_caught_by_validate() -> None:
-    assert "seed" in SamplingParams(seed=2**64 - 1).validate(100)
-    assert SamplingParams(seed=INT64_MIN).validate(100) is None
+def test_seed_outside_int64_built_in_python_is_caught_by_the_validation() -> None:
+    assert "seed" in str(check_sampling_params(SamplingParams(seed=2**64 - 1), 100))
+    assert check_sampling_params(SamplingParams(seed=INT64_MIN), 100) is None
 
 
 @pytest.mark.parametrize("frame, tag, span, got", [
@@ -122,11 +123,11 @@ def test_errors_name_the_field_and_the_tag_not_positions() -> None:
     (SamplingParams(stop_token_ids=[-1]), "stop_token_ids"),
 ])
 def test_the_readme_sampling_ranges_are_the_ones_enforced(params: SamplingParams, fragment: str) -> None:
-    assert fragment in params.validate(vocab_size=100)
+    assert fragment in str(check_sampling_params(params, vocab_size=100))
 
 
 def test_the_readme_sampling_range_edges_are_accepted() -> None:
     edges = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4, logprobs=20, stop_token_ids=[0, 99],
                            top_p=1.0, top_k=-1, min_p=1.0, presence_penalty=-2, frequency_penalty=2, seed=INT64_MIN)
-    assert edges.validate(vocab_size=100) is None
-    assert SamplingParams(logprobs=0).validate(100) is None
+    assert check_sampling_params(edges, vocab_size=100) is None
+    assert check_sampling_params(SamplingParams(logprobs=0), 100) is None

@@ -13,9 +13,12 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 from evenflow.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from .structured_output import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -129,6 +132,8 @@ class Request:
         # Step that first scheduled this request (-1: never): outputs of older steps are stale.
         self.first_scheduled_step = -1
         self.first_scheduled_time = 0.0  # unix seconds; for the queue-time metric
+        # Structured output: its compile and matcher (set by StructuredOutputManager.submit).
+        self.grammar: GrammarState | None = None
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """The one way tokens are added: output and all-tokens lists grow together."""
@@ -139,6 +144,11 @@ class Request:
             self._output_token_ids.extend(token_ids)
             self._all_token_ids.extend(token_ids)
         self.num_tokens = len(self._all_token_ids)
+
+    @property
+    def use_structured_output(self) -> bool:
+        """A grammar constrains its tokens: it is never given drafts to verify (speculation off)."""
+        return self.sampling_params.structured_outputs is not None
 
     @property
     def num_tokens_with_spec(self) -> int:

@@ -11,6 +11,7 @@ again to the restarted engine it takes requests again, with an empty prefix inde
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from typing import AsyncIterator
 
@@ -31,9 +32,16 @@ _SAME_MODEL = ("model_name", "model_path", "max_model_len", "vocab_size", "eos_t
 
 def sum_stats(snapshots: list[SchedulerStats]) -> SchedulerStats:
     """Totals over engine-cores: counts and seconds add up; KV cache usage is the mean."""
-    total = SchedulerStats(*(sum(getattr(s, name) for s in snapshots) for name in SchedulerStats.__struct_fields__))
+    total = SchedulerStats(*(_add([getattr(s, name) for s in snapshots]) for name in SchedulerStats.__struct_fields__))
     total.kv_cache_usage = total.kv_cache_usage / max(1, len(snapshots))
     return total
+
+
+def _add(values: list) -> object:
+    """A sum; per-bucket counts (``grammar_compile_buckets``) add bucket by bucket."""
+    if values and isinstance(values[0], list):
+        return [sum(column) for column in itertools.zip_longest(*values, fillvalue=0)]
+    return sum(values)
 
 
 class DataParallelClient:

@@ -1,4 +1,4 @@
-"""Limits the scheduler must never cross, each pinned by the smallest case that reaches it."""
+"""Edges of the scheduler's behaviour, each pinned by the smallest case that reaches it."""
 
 from __future__ import annotations
 
@@ -18,3 +18,10 @@ def test_drafts_are_cut_at_max_model_len() -> None:
     assert output.num_scheduled_tokens == {"a": 2}  # position 6 and one draft: 8 = max_model_len
     assert output.scheduled_spec_decode_tokens == {"a": [1]}
     assert request.num_computed_tokens == 8
+
+
+def test_aborting_a_request_never_scheduled_reports_no_cached_tokens() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "a", 8)
+    (out,) = scheduler.abort_requests(["a"])
+    assert out.finish_reason == "abort" and out.num_cached_tokens == 0 and out.new_token_ids == []

@@ -25,12 +25,12 @@ python=${PYTHON:-$repo/.venv/bin/python}
 
 # The fast test subsets that exercise each file (the worker ones run the tiny model on CPU).
 declare -A TESTS=(
-  [core/scheduler.py]="tests/core tests/worker/test_chunk_boundaries.py"
+  [core/scheduler.py]="tests/core"
   [core/kv_cache_manager.py]="tests/core"
   [core/block_pool.py]="tests/core"
   [core/request.py]="tests/core"
   [worker/batch.py]="tests/worker/test_handbuilt_steps.py tests/worker/test_runner_api.py tests/worker/test_runner_correctness.py tests/worker/test_chunk_boundaries.py tests/worker/test_runner_properties.py"
-  [worker/sampler.py]="tests/worker/test_sampler.py tests/worker/test_runner_correctness.py"
+  [worker/sampler.py]="tests/worker/test_sampler.py"
 )
 ORDER=(core/block_pool.py core/request.py core/kv_cache_manager.py core/scheduler.py worker/batch.py worker/sampler.py)
 

@@ -4,6 +4,8 @@
 #   scripts/mutation.sh                       # all six files, one after another
 #   scripts/mutation.sh core/block_pool.py    # one (or a few) of them
 #   MUTATION_JOBS=2 scripts/mutation.sh ...   # mutants tested in parallel (default 1)
+#   scripts/mutation.sh --survivors core/request.py   # after new tests: rerun only last run's survivors
+#   MUTATION_ONLY='*prepare_inputs*' scripts/mutation.sh worker/batch.py   # only mutants matching a glob
 #
 # Prints "file: killed/total" per file and leaves the details in build/mutation/<file>/
 # (`cd build/mutation/core_scheduler && mutmut results` lists survivors, `mutmut show NAME`
@@ -21,6 +23,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 root=${MUTATION_DIR:-$repo/build/mutation}
 jobs=${MUTATION_JOBS:-1}
 python=${PYTHON:-$repo/.venv/bin/python}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one core per mutant process: the machine is shared
 [[ -x $python ]] || python=python
 
 # The fast test subsets that exercise each file (the worker ones run the tiny model on CPU).
@@ -61,13 +64,23 @@ only_mutate = ["src/evenflow/$file"]
 pytest_add_cli_args_test_selection = $(toml_list ${TESTS[$file]})
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-m", "not slow and not cuda"]
 use_git_change_detection = false
+# Each mutant runs in a process forked from a server that never ran torch: forking after torch
+# started its thread pool deadlocks the child.
+process_isolation = "forkserver"
 
 [tool.pytest.ini_options]
 testpaths = ["tests"]
 markers = ["slow: end-to-end tests across processes", "cuda: needs a CUDA device"]
 timeout = 600
 EOF
-  (cd "$stage" && nice -n 10 "$python" -m mutmut run --max-children "$jobs" > run.log 2>&1) || {
+  local names=()
+  if [[ $survivors_only == 1 && -f $stage/results.txt ]]; then
+    mapfile -t names < <(sed -n 's/^ *\(.*\): survived$/\1/p' "$stage/results.txt")
+    [[ ${#names[@]} -gt 0 ]] || { echo "$file: no survivors to rerun"; return 0; }
+  elif [[ -n ${MUTATION_ONLY:-} ]]; then
+    names=("$MUTATION_ONLY")
+  fi
+  (cd "$stage" && nice -n 10 "$python" -m mutmut run --max-children "$jobs" "${names[@]}" > run.log 2>&1) || {
     echo "$file: mutmut failed, see $stage/run.log" >&2; tail -20 "$stage/run.log" >&2; return 1; }
   (cd "$stage" && "$python" -m mutmut results --all true > results.txt)
   local total killed
@@ -76,6 +89,8 @@ EOF
   echo "$file: $killed/$total killed ($(grep -v ': killed$' "$stage/results.txt" | awk '{print $NF}' | sort | uniq -c | tr -s ' ' | paste -sd, -))"
 }
 
+survivors_only=0
+if [[ ${1:-} == --survivors ]]; then survivors_only=1; shift; fi
 files=("$@")
 [[ ${#files[@]} -gt 0 ]] || files=("${ORDER[@]}")
 for file in "${files[@]}"; do run_one "$file"; done

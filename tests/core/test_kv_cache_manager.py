@@ -184,3 +184,18 @@ def test_blocks_in_use_at_a_reset_are_never_cached_again() -> None:
     assert kv.allocate_slots(running, 4) is not None  # fills and caches its third block
     running.num_computed_tokens = 12
     assert kv.get_computed_blocks(make_request("later", list(range(13)))).num_tokens == 0
+
+
+def test_a_prefix_hit_applies_only_on_admission() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    request = make_request("a", list(range(6)))
+    admit(kv, request)
+    with pytest.raises(ValueError, match="^a already holds blocks: a prefix hit applies only on admission$"):
+        kv.allocate_slots(request, 1, kv.get_computed_blocks(request))
+
+
+def test_prefix_cache_counters_add_up_over_admissions() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    for request_id in "abc":
+        admit(kv, make_request(request_id, list(range(9))))
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (27, 16)  # hits of 0, 8 and 8 tokens

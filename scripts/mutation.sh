@@ -5,7 +5,7 @@
 #   scripts/mutation.sh core/block_pool.py    # one (or a few) of them
 #   MUTATION_JOBS=2 scripts/mutation.sh ...   # mutants tested in parallel (default 1)
 #   scripts/mutation.sh --survivors core/request.py   # after new tests: rerun only last run's survivors
-#   MUTATION_ONLY='*prepare_inputs*' scripts/mutation.sh worker/batch.py   # only mutants matching a glob
+#   MUTATION_ONLY='*prepare_inputs* *update*' scripts/mutation.sh worker/batch.py   # only these globs
 #
 # Prints "file: killed/total" per file and leaves the details in build/mutation/<file>/
 # (`cd build/mutation/core_scheduler && mutmut results` lists survivors, `mutmut show NAME`
@@ -78,7 +78,7 @@ EOF
     mapfile -t names < <(sed -n 's/^ *\(.*\): survived$/\1/p' "$stage/results.txt")
     [[ ${#names[@]} -gt 0 ]] || { echo "$file: no survivors to rerun"; return 0; }
   elif [[ -n ${MUTATION_ONLY:-} ]]; then
-    names=("$MUTATION_ONLY")
+    read -ra names <<< "$MUTATION_ONLY"  # space-separated globs; read does not expand them
   fi
   (cd "$stage" && nice -n 10 "$python" -m mutmut run --max-children "$jobs" "${names[@]}" > run.log 2>&1) || {
     echo "$file: mutmut failed, see $stage/run.log" >&2; tail -20 "$stage/run.log" >&2; return 1; }

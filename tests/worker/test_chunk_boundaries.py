@@ -6,22 +6,11 @@ the outputs equal the reference and a request samples only when its chunk reache
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from tests.worker.harness import Job, RunResult
 from tests.worker.scenarios import References, Runners, Scenario, check, shared_prefix, tokens
-
-
-@pytest.fixture(scope="module")
-def runners(tiny_llama: Path) -> Runners:
-    return Runners(tiny_llama)
-
-
-@pytest.fixture(scope="module")
-def references(tiny_llama: Path) -> References:
-    return References(tiny_llama)
 
 
 def chunks_of(result: RunResult, req_id: str) -> list[int]:

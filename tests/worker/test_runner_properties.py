@@ -12,9 +12,6 @@ shrunk scenario.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -64,19 +61,8 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     )
 
 
-@pytest.fixture(scope="module")
-def runners(tiny_llama: Path) -> Runners:
-    return Runners(tiny_llama)
-
-
-@pytest.fixture(scope="module")
-def references(tiny_llama: Path) -> References:
-    return References(tiny_llama)
-
-
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                 HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(scenario=scenarios())
 def test_real_runner_matches_transformers_in_every_shape(runners: Runners, references: References,
                                                          scenario: Scenario) -> None:

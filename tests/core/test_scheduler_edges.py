@@ -25,3 +25,13 @@ def test_aborting_a_request_never_scheduled_reports_no_cached_tokens() -> None:
     add(scheduler, "a", 8)
     (out,) = scheduler.abort_requests(["a"])
     assert out.finish_reason == "abort" and out.num_cached_tokens == 0 and out.new_token_ids == []
+
+
+def test_stats_report_prefix_cache_queries_and_hits() -> None:
+    scheduler = make_scheduler(block_size=4)
+    add(scheduler, "a", 8)
+    scheduler.schedule()
+    add(scheduler, "b", 8)
+    scheduler.schedule()  # b finds a's first block; its last token is always recomputed
+    stats = scheduler.get_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (16, 4)

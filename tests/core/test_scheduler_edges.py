@@ -35,3 +35,9 @@ def test_stats_report_prefix_cache_queries_and_hits() -> None:
     scheduler.schedule()  # b finds a's first block; its last token is always recomputed
     stats = scheduler.get_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (16, 4)
+
+
+def test_long_prefill_threshold_of_one_token_prefills_one_token_a_step() -> None:
+    scheduler = make_scheduler(long_prefill_token_threshold=1)
+    add(scheduler, "a", 3)
+    assert [scheduler.schedule().num_scheduled_tokens for _ in range(3)] == [{"a": 1}] * 3

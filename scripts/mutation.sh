@@ -10,6 +10,7 @@
 # Prints "file: killed/total" per file and leaves the details in build/mutation/<file>/
 # (`cd build/mutation/core_scheduler && mutmut results` lists survivors, `mutmut show NAME`
 # shows one). Not run in CI: it takes minutes per file. See docs/mutation.md.
+# Needs mutmut 3 (pip install -e ".[mutation]").
 #
 # Why a staging folder: mutmut names a mutant by its file path (core/scheduler.py ->
 # core.scheduler) and only runs it when that equals the function's __module__, which here is

@@ -160,7 +160,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status > RequestStatus.PREEMPTED
+        return RequestStatus.is_finished(self.status)
 
     @property
     def is_prefilling(self) -> bool:
@@ -169,7 +169,7 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self.status)
+        return RequestStatus.finish_reason(self.status)
 
     def check_stop(self, last_token: int, max_model_len: int) -> RequestStatus | None:
         """The finished status ``last_token`` (just appended) leads to, or None to go on.

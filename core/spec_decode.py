@@ -23,8 +23,8 @@ def num_draft_slots(
     num_running: int,
 ) -> int:
     """Draft slots for a running request scheduled ``num_new`` known (or in-flight) tokens."""
-    if spec is None or budget_left <= 0:
-        return 0
+    if spec is None or budget_left <= 0 or request.use_structured_output:
+        return 0  # a grammar's matcher would have to check drafts: speculation is off for it
     if spec.disable_by_batch_size is not None and num_running >= spec.disable_by_batch_size:
         return 0  # under load the forward is compute-bound: drafts would only add work
     placeholders = request.num_output_placeholders

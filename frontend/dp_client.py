@@ -13,8 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Iterable
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from evenflow.protocol import (
     ERR_DUPLICATE_ID, ERR_NOT_READY, Outputs, Ready, RequestOutput, SamplingParams, SchedulerStats, UtilityResult,
@@ -33,14 +32,13 @@ _SAME_MODEL = ("model_name", "model_path", "max_model_len", "vocab_size", "eos_t
 
 def sum_stats(snapshots: list[SchedulerStats]) -> SchedulerStats:
     """Totals over engine-cores: counts and seconds add up; KV cache usage is the mean."""
-    total = SchedulerStats(*(_add(getattr(s, name) for s in snapshots) for name in SchedulerStats.__struct_fields__))
+    total = SchedulerStats(*(_add([getattr(s, name) for s in snapshots]) for name in SchedulerStats.__struct_fields__))
     total.kv_cache_usage = total.kv_cache_usage / max(1, len(snapshots))
     return total
 
 
-def _add(values: Iterable[Any]) -> Any:
-    """A sum; list fields (per-position counts) add element-wise."""
-    values = list(values)
+def _add(values: list) -> object:
+    """A sum; per-bucket counts (``grammar_compile_buckets``) add bucket by bucket."""
     if values and isinstance(values[0], list):
         return [sum(column) for column in itertools.zip_longest(*values, fillvalue=0)]
     return sum(values)

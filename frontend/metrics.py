@@ -40,6 +40,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from evenflow.protocol import SchedulerStats
 
+from .grammar_metrics import grammar_compile_histogram
+
 # Bucket bounds as vLLM uses them, so dashboards built for vLLM read these histograms the same way.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0]
@@ -86,6 +88,9 @@ ENGINE_METRICS: list[EngineMetric] = [
                  lambda e: e.worker_forward_s),
     EngineMetric("evenflow:worker_idle_seconds_total", "counter",
                  "Seconds the workers waited on the engine-core while it had work.", lambda e: e.worker_idle_s),
+    EngineMetric("evenflow:grammar_cache_hits_total", "counter",
+                 "Structured output requests whose grammar was already compiled or compiling.",
+                 lambda e: e.grammar_cache_hits),
     # Speculative decoding (vLLM's names); a draft = one request's drafts verified in one step.
     EngineMetric("evenflow:spec_decode_num_drafts_total", "counter", "Speculative drafts verified.",
                  lambda e: e.spec_decode_num_drafts),
@@ -295,6 +300,7 @@ class _SnapshotCollector:
             histogram = HistogramMetricFamily(name, help_text, labels=labels)
             histogram.add_metric(values, list(zip(bounds, cumulative)), h.sum)
             yield histogram
+        yield grammar_compile_histogram(engine, labels, values)
 
 
 def render_prometheus(s: MetricsSnapshot, model_name: str) -> str:

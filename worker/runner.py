@@ -24,6 +24,7 @@ from evenflow.worker.attention.selector import select_backend
 from evenflow.worker.batch import PersistentBatch, RequestState, StepInputs
 from evenflow.worker.config_reader import read_model_config
 from evenflow.worker.device_timer import ForwardTimer
+from evenflow.worker.grammar_mask import apply_grammar_bitmask
 from evenflow.worker.kv_cache import (
     allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks, measure_cuda_memory,
 )
@@ -197,6 +198,8 @@ class ModelRunner:
         rewind = GeneratorRewind.save(sampled_reqs, num_drafts) if num_drafts.any() else None
         # A request with d drafts samples d + 1 rows, all with its own parameters.
         row_reqs = [s for s, d in zip(sampled_reqs, num_drafts.tolist()) for _ in range(d + 1)]
+        if so.structured_output_req_ids and self.tp.rank == 0:  # only rank 0 samples
+            logits = apply_grammar_bitmask(logits, [s.req_id for s in row_reqs], so, self.vocab_size)
         targets, logprobs = self._sample(logits, row_reqs)  # the step's host synchronization
         num_emitted = None
         if rewind is not None:

@@ -91,7 +91,8 @@ class NgramDrafter:
         limits = np.empty(len(reqs), dtype=np.int64)
         for i, s in enumerate(reqs):
             params = s.sampling.params
-            if s.sampling.needs_penalties or len(s.output_token_ids) < params.min_tokens:
+            if (s.sampling.needs_penalties or len(s.output_token_ids) < params.min_tokens
+                    or params.structured_outputs is not None):  # the engine gives a grammar no slots
                 limits[i] = 0
                 continue
             room = min(self.max_model_len - s.num_tokens, params.max_tokens - len(s.output_token_ids)) - 1

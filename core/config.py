@@ -5,6 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+LONG_PREFILL_SHARE_OF_MAX_LEN = 0.04  # vLLM V0's default long-prompt threshold when N > 1
+
+
+def prefill_limits_error(max_num_partial_prefills: int, max_long_partial_prefills: int,
+                         target_itl_ms: float | None) -> str | None:
+    """What is wrong with the adaptive-budget and partial-prefill flags (vLLM's rules), or None."""
+    if max_num_partial_prefills < 1 or max_long_partial_prefills < 1:
+        return "--max-num-partial-prefills and --max-long-partial-prefills must be >= 1"
+    if max_long_partial_prefills > max_num_partial_prefills:
+        return (f"--max-long-partial-prefills ({max_long_partial_prefills}) must be <= "
+                f"--max-num-partial-prefills ({max_num_partial_prefills})")
+    if target_itl_ms is not None and not target_itl_ms > 0:
+        return f"--target-itl-ms must be positive, got {target_itl_ms}"
+    return None
 
 
 @dataclass
@@ -23,6 +37,16 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0 = off; else the largest prefill chunk per step
     policy: str = "fcfs"  # or "priority": smaller value first, then arrival time
     enable_prefix_caching: bool = True
+    target_itl_ms: float | None = None  # None: a fixed budget; else max_num_batched_tokens is its upper bound
+    max_num_partial_prefills: int = 1  # > 1: bounds on prompts mid-prefill (vLLM V0), see prefill_gate.py
+    max_long_partial_prefills: int = 1
+
+    @property
+    def effective_long_prefill_threshold(self) -> int:
+        """The given threshold, else 4% of max_model_len when N > 1 (vLLM V0), else 0 (off)."""
+        if self.long_prefill_token_threshold == 0 and self.max_num_partial_prefills > 1:
+            return max(1, int(self.max_model_len * LONG_PREFILL_SHARE_OF_MAX_LEN))
+        return self.long_prefill_token_threshold
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value or combination."""
@@ -34,6 +58,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0 (0 = off), got {self.long_prefill_token_threshold}"
             )
+        error = prefill_limits_error(self.max_num_partial_prefills, self.max_long_partial_prefills,
+                                     self.target_itl_ms)
+        if error is not None:
+            raise ValueError(error)
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
         # A request that may grow to max_model_len must fit in the pool on its own; otherwise it

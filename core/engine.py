@@ -94,7 +94,9 @@ class EngineCore:
             num_kv_blocks=num_blocks, max_num_batched_tokens=self.cfg.max_num_batched_tokens,
             max_num_seqs=self.cfg.max_num_seqs, max_model_len=self.max_model_len, block_size=self.block_size,
             long_prefill_token_threshold=self.cfg.long_prefill_token_threshold, policy=self.cfg.scheduling_policy,
-            enable_prefix_caching=self.cfg.enable_prefix_caching)
+            enable_prefix_caching=self.cfg.enable_prefix_caching, target_itl_ms=self.cfg.target_itl_ms,
+            max_num_partial_prefills=self.cfg.max_num_partial_prefills,
+            max_long_partial_prefills=self.cfg.max_long_partial_prefills)
         sched_cfg.validate()
         self.workers.init_kv_cache(num_blocks)
         self.scheduler = Scheduler(sched_cfg)

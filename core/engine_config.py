@@ -10,6 +10,8 @@ from typing import Sequence
 
 from evenflow.protocol import MAX_FRAME_BYTES
 
+from .config import prefill_limits_error
+
 DEFAULT_LISTEN = "tcp://127.0.0.1:7100"
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
                "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
@@ -46,6 +48,10 @@ class EngineConfig:
     worker_start_timeout: float = 600.0
     client_timeout: float = 3.0  # a frontend silent this long is dropped and its requests aborted
     worker_threads: int | None = None
+    # Adaptive budget and partial-prefill bounds (core/budget_controller.py, core/prefill_gate.py).
+    target_itl_ms: float | None = None
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid value or combination."""
@@ -78,6 +84,10 @@ class EngineConfig:
             raise ConfigError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
         if self.worker_start_timeout <= 0 or self.client_timeout <= 0:
             raise ConfigError("--worker-start-timeout and --client-timeout must be positive")
+        error = prefill_limits_error(self.max_num_partial_prefills, self.max_long_partial_prefills,
+                                     self.target_itl_ms)
+        if error is not None:
+            raise ConfigError(error)
         if not (Path(self.model).expanduser() / "config.json").is_file():
             raise ConfigError(f"--model {self.model!r} is not a folder with a config.json")
 
@@ -137,6 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--worker-threads", type=int, default=None,
       help="torch threads per worker for every step (default on CPU: a step estimated to take 15 ms or more "
            "on one thread uses every core, a shorter one leaves one free; divided by tensor-parallel-size)")
+    a("--target-itl-ms", type=float, default=None,
+      help="adaptive token budget: each step carries as much prefill as keeps its predicted time (fitted online "
+           "to measured steps) within this many ms; --max-num-batched-tokens becomes the upper bound")
+    a("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
+      help="when > 1: most requests with a prefill chunk in one step (vLLM V0)")
+    a("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
+      help="when --max-num-partial-prefills > 1: most of them longer than --long-prefill-token-threshold "
+           "(default then 4%% of max-model-len); shorter prompts go ahead of long ones that have no slot")
     return p
 
 

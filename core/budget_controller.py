@@ -43,6 +43,7 @@ class BudgetStats:
 
     last_budget: int = 0
     budget_log2_counts: list[int] = field(default_factory=lambda: [0] * BUDGET_LOG2_BUCKETS)
+    budget_sum: int = 0
     predicted_s: float = 0.0  # summed over observed steps that carried decodes
     measured_s: float = 0.0
     num_steps: int = 0
@@ -81,6 +82,7 @@ class BudgetController:
         allowance = min(allowance, room)
         budget = survey.decodes + allowance
         self.stats.last_budget = budget
+        self.stats.budget_sum += budget
         self.stats.budget_log2_counts[min((budget - 1).bit_length(), BUDGET_LOG2_BUCKETS - 1)] += 1
         return allowance
 
@@ -139,7 +141,7 @@ class BudgetController:
     def fill_stats(self, stats: SchedulerStats) -> SchedulerStats:
         s = self.stats
         stats.target_itl_s, stats.token_budget = self.target_s, s.last_budget
-        stats.token_budget_log2_counts = list(s.budget_log2_counts)
+        stats.token_budget_log2_counts, stats.token_budget_sum = list(s.budget_log2_counts), s.budget_sum
         stats.step_predicted_s, stats.step_measured_s = s.predicted_s, s.measured_s
         stats.num_controlled_steps, stats.num_steps_within_target = s.num_steps, s.num_within_target
         return stats

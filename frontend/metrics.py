@@ -24,6 +24,8 @@ from msgspec import Struct
 
 from evenflow.protocol import SchedulerStats
 
+from .budget_metrics import render_budget_metrics
+
 # Bucket bounds as vLLM uses them, so dashboards built for vLLM read these histograms the same way.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0]
@@ -226,6 +228,7 @@ def render_prometheus(s: MetricsSnapshot, model_name: str) -> str:
            e.worker_forward_s)
     metric("evenflow:worker_idle_seconds_total", "counter",
            "Seconds the workers waited on the engine-core while it had work.", e.worker_idle_s)
+    out.extend(render_budget_metrics(e, label))
     for name, help_text in COUNTERS.items():
         metric(name, "counter", help_text, s.counters.get(name, 0.0))
     name = "evenflow:request_success_total"

@@ -27,6 +27,14 @@ def test_defaults_and_flags(model: str) -> None:
     assert "max_num_batched_tokens" in cfg.describe()
 
 
+def test_adaptive_budget_and_partial_prefill_flags(model: str) -> None:
+    cfg = config_from_args(["--model", model])
+    assert (cfg.target_itl_ms, cfg.max_num_partial_prefills, cfg.max_long_partial_prefills) == (None, 1, 1)
+    cfg = config_from_args(["--model", model, "--target-itl-ms", "40", "--max-num-partial-prefills", "4",
+                            "--max-long-partial-prefills", "2"])
+    assert (cfg.target_itl_ms, cfg.max_num_partial_prefills, cfg.max_long_partial_prefills) == (40.0, 4, 2)
+
+
 def test_parse_size() -> None:
     assert parse_size("512MB") == 512 * 10**6 and parse_size("1.5k") == 1500 and parse_size("42") == 42
 
@@ -38,6 +46,8 @@ def test_parse_size() -> None:
     (["--block-size", "24"], "power of two"),
     (["--tensor-parallel-size", "0"], "tensor-parallel-size"),
     (["--long-prefill-token-threshold", "-1"], "long-prefill"),
+    (["--target-itl-ms", "0"], "--target-itl-ms"),
+    (["--max-num-partial-prefills", "2", "--max-long-partial-prefills", "3"], "--max-long-partial-prefills"),
 ])
 def test_invalid_combinations_are_named(model: str, flags: list[str], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):

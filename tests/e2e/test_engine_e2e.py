@@ -101,6 +101,25 @@ def test_greedy_matches_transformers_other_engines(tiny_llama: Path, tmp_path: P
         assert eng.stop() == 0, eng.log()
 
 
+def test_greedy_matches_transformers_with_adaptive_budget_and_partial_prefills(
+        tiny_llama: Path, tmp_path: Path, references: list[list[int]]) -> None:
+    """--target-itl-ms and the partial-prefill bounds change which tokens run when, never which come out."""
+    eng = start_engine(tiny_llama, tmp_path, *BASE_FLAGS, "--target-itl-ms", "3", "--max-num-partial-prefills", "2",
+                       "--max-long-partial-prefills", "1", "--num-kv-blocks", "160")
+    try:
+        async def main() -> None:
+            outputs, client = await _run_workload(eng.address)
+            stats = (await client.call_utility("get_stats")).result
+            await client.close()
+            assert outputs == references
+            assert stats.target_itl_s == 0.003 and sum(stats.token_budget_log2_counts) >= stats.num_steps > 0
+            assert 0 < stats.token_budget_sum <= 64 * sum(stats.token_budget_log2_counts)
+
+        asyncio.run(main())
+    finally:
+        assert eng.stop() == 0, eng.log()
+
+
 CLIENT_SCRIPT = """
 import asyncio, sys
 from evenflow.frontend.client import EngineClient

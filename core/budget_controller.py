@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from evenflow.protocol import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 
+from .config import SchedulerConfig
 from .prefill_gate import PrefillGate, RunningSurvey
 from .step_time_model import StepShape, StepTimeModel
 
@@ -68,6 +69,13 @@ class BudgetController:
         self.largest_prefill_seen = 0
         self.stats = BudgetStats()
         self._planned: dict[int, _Planned] = {}  # step_id -> what was predicted for it
+
+    @classmethod
+    def for_config(cls, config: SchedulerConfig) -> BudgetController | None:
+        if config.target_itl_ms is None:
+            return None
+        return cls(config.target_itl_ms / 1000, config.max_num_batched_tokens, config.max_model_len,
+                   config.max_num_seqs)
 
     def prefill_allowance(self, survey: RunningSurvey) -> int:
         """Prompt tokens the next step may carry beside its ``survey.decodes`` decodes."""
@@ -121,9 +129,10 @@ class BudgetController:
         self.largest_prefill_seen = max(self.largest_prefill_seen, gate.prefill_tokens)
 
     def observe(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Fit the model to one step's measured time (rank 0's input building + forward + sampling)."""
+        """Fit the model to one step's measured time: rank 0's wait for it (the engine-core's share of
+        the step's period: zero unless the loop fell behind), input building, forward and sampling."""
         planned = self._planned.pop(output.step_id, None)
-        seconds = result.prepare_s + result.forward_s + result.sample_s
+        seconds = result.wait_s + result.prepare_s + result.forward_s + result.sample_s
         if planned is None or seconds <= 0:
             return
         if planned.has_decodes and planned.predicted_s > 0 and self.model.num_observations >= MIN_OBSERVATIONS:

@@ -172,6 +172,8 @@ class EngineCore:
         if self._in_flight and (len(self._in_flight) >= self._depth or not scheduled):
             item = self._in_flight.popleft()
             mro = self.workers.recv_output(item.so.step_id)
+            if item.after_idle:
+                mro.wait_s = 0.0  # the clients' silence, not part of the step (see StepTiming)
             outputs = sched.update_from_output(item.so, mro)
             self._account(mro, item.after_idle)
             self._publish(outputs)

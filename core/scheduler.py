@@ -9,6 +9,9 @@ lowest priority under ``priority``) is preempted by recompute.
 the step will sample, so the next step can be scheduled before this one's tokens are known (the
 workers fill those inputs from their own last sample). ``update_from_output()`` applies a step's
 tokens, possibly after a later step was scheduled, and runs the stop checks.
+
+Prefill chunks pass the step's ``PrefillGate`` when ``--target-itl-ms`` (the ``BudgetController``
+chooses how much prompt work rides along with the decodes) or ``--max-num-partial-prefills`` is on.
 """
 
 from __future__ import annotations
@@ -46,8 +49,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_req_ids: list[str] = []  # for the next SchedulerOutput
         self._long_threshold = config.effective_long_prefill_threshold  # read per request on the hot path
-        self.budget_controller = None if config.target_itl_ms is None else BudgetController(
-            config.target_itl_ms / 1000, config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs)
+        self.budget_controller = BudgetController.for_config(config)  # None without --target-itl-ms
         self._next_step_id = 0
         self._num_steps = 0
         self._num_preemptions = 0
@@ -209,8 +211,8 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
             preempted_req_ids=preempted_req_ids,
         )
-        if controller is not None and gate is not None:
-            controller.record(output, gate)
+        if controller is not None:
+            controller.record(output, gate)  # type: ignore[arg-type]  # a controller always opens a gate
         self._schedule_s += time.perf_counter() - start
         return output
 

@@ -83,6 +83,9 @@ def test_greedy_matches_transformers_with_overlap(engine: EngineProcess, referen
                  id="no-overlap-preempting"),
     pytest.param(("--tensor-parallel-size", "2", "--max-model-len", "128", "--num-kv-blocks", "10"),
                  id="tp2-overlap-preempting"),
+    # The adaptive budget and the partial-prefill bounds change which tokens run when, never which come out.
+    pytest.param(("--target-itl-ms", "3", "--max-num-partial-prefills", "2", "--max-long-partial-prefills", "1",
+                  "--max-model-len", "128", "--num-kv-blocks", "10"), id="adaptive-budget-partial-prefills-preempting"),
 ])
 def test_greedy_matches_transformers_other_engines(tiny_llama: Path, tmp_path: Path, references: list[list[int]],
                                                    flags: tuple[str, ...]) -> None:
@@ -95,25 +98,9 @@ def test_greedy_matches_transformers_other_engines(tiny_llama: Path, tmp_path: P
             assert outputs == references
             # 10 blocks hold 160 tokens; four running requests need 17 blocks: some were preempted.
             assert stats.num_preemptions > 0
-
-        asyncio.run(main())
-    finally:
-        assert eng.stop() == 0, eng.log()
-
-
-def test_greedy_matches_transformers_with_adaptive_budget_and_partial_prefills(
-        tiny_llama: Path, tmp_path: Path, references: list[list[int]]) -> None:
-    """--target-itl-ms and the partial-prefill bounds change which tokens run when, never which come out."""
-    eng = start_engine(tiny_llama, tmp_path, *BASE_FLAGS, "--target-itl-ms", "3", "--max-num-partial-prefills", "2",
-                       "--max-long-partial-prefills", "1", "--num-kv-blocks", "160")
-    try:
-        async def main() -> None:
-            outputs, client = await _run_workload(eng.address)
-            stats = (await client.call_utility("get_stats")).result
-            await client.close()
-            assert outputs == references
-            assert stats.target_itl_s == 0.003 and sum(stats.token_budget_log2_counts) >= stats.num_steps > 0
-            assert 0 < stats.token_budget_sum <= 64 * sum(stats.token_budget_log2_counts)
+            adaptive = "--target-itl-ms" in flags  # then every step had a budget chosen for it
+            assert (stats.target_itl_s > 0) == adaptive
+            assert sum(stats.token_budget_log2_counts) >= (stats.num_steps if adaptive else 0)
 
         asyncio.run(main())
     finally:

@@ -5,20 +5,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's online-serving default
 LONG_PREFILL_SHARE_OF_MAX_LEN = 0.04  # vLLM V0's default long-prompt threshold when N > 1
 
 
-def prefill_limits_error(max_num_partial_prefills: int, max_long_partial_prefills: int,
-                         target_itl_ms: float | None) -> str | None:
-    """What is wrong with the adaptive-budget and partial-prefill flags (vLLM's rules), or None."""
+class ConfigError(ValueError):
+    """An invalid flag value or combination; the message says which and why."""
+
+
+def check_scheduler_limits(max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
+                           long_prefill_token_threshold: int, policy: str, max_model_len: int | None) -> None:
+    """The rules on the scheduler's knobs, shared by the command line and SchedulerConfig.
+
+    Raises ConfigError naming the flag; ``max_model_len=None`` means "the model's own limit" (not
+    known yet when the command line is checked).
+    """
+    limits = {"max-num-batched-tokens": max_num_batched_tokens, "max-num-seqs": max_num_seqs,
+              "block-size": block_size, "max-model-len": 1 if max_model_len is None else max_model_len}
+    for flag, value in limits.items():
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"--{flag} must be a positive integer, got {value!r}")
+    if block_size & (block_size - 1):
+        raise ConfigError(f"--block-size must be a power of two, got {block_size}")
+    if long_prefill_token_threshold < 0:
+        raise ConfigError(f"--long-prefill-token-threshold must be >= 0 (0 = off), got {long_prefill_token_threshold}")
+    if policy not in SCHEDULING_POLICIES:
+        raise ConfigError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
+
+
+def check_prefill_limits(max_num_partial_prefills: int, max_long_partial_prefills: int,
+                         target_itl_ms: float | None) -> None:
+    """The rules on the adaptive-budget and partial-prefill flags (vLLM's), shared like the above."""
     if max_num_partial_prefills < 1 or max_long_partial_prefills < 1:
-        return "--max-num-partial-prefills and --max-long-partial-prefills must be >= 1"
+        raise ConfigError("--max-num-partial-prefills and --max-long-partial-prefills must be >= 1")
     if max_long_partial_prefills > max_num_partial_prefills:
-        return (f"--max-long-partial-prefills ({max_long_partial_prefills}) must be <= "
-                f"--max-num-partial-prefills ({max_num_partial_prefills})")
+        raise ConfigError(f"--max-long-partial-prefills ({max_long_partial_prefills}) must be <= "
+                          f"--max-num-partial-prefills ({max_num_partial_prefills})")
     if target_itl_ms is not None and not target_itl_ms > 0:
-        return f"--target-itl-ms must be positive, got {target_itl_ms}"
-    return None
+        raise ConfigError(f"--target-itl-ms must be positive, got {target_itl_ms}")
 
 
 @dataclass
@@ -31,7 +55,7 @@ class SchedulerConfig:
 
     num_kv_blocks: int
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int = 2048
     block_size: int = 16
     long_prefill_token_threshold: int = 0  # 0 = off; else the largest prefill chunk per step
@@ -49,26 +73,17 @@ class SchedulerConfig:
         return self.long_prefill_token_threshold
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad value or combination."""
-        for name in ("num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                f"long_prefill_token_threshold must be >= 0 (0 = off), got {self.long_prefill_token_threshold}"
-            )
-        error = prefill_limits_error(self.max_num_partial_prefills, self.max_long_partial_prefills,
-                                     self.target_itl_ms)
-        if error is not None:
-            raise ValueError(error)
-        if self.policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        """Raise ConfigError (a ValueError) naming the first bad value or combination."""
+        if not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        check_scheduler_limits(self.max_num_batched_tokens, self.max_num_seqs, self.block_size,
+                               self.long_prefill_token_threshold, self.policy, self.max_model_len)
+        check_prefill_limits(self.max_num_partial_prefills, self.max_long_partial_prefills, self.target_itl_ms)
         # A request that may grow to max_model_len must fit in the pool on its own; otherwise it
         # would preempt everybody and still never finish.
         blocks_per_max_len = -(-self.max_model_len // self.block_size)
         if self.num_kv_blocks < blocks_per_max_len:
-            raise ValueError(
+            raise ConfigError(
                 f"num_kv_blocks={self.num_kv_blocks} x block_size={self.block_size} holds "
                 f"{self.num_kv_blocks * self.block_size} tokens, fewer than max_model_len={self.max_model_len}: "
                 f"lower max_model_len or give the KV cache more memory"

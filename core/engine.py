@@ -17,6 +17,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
@@ -36,6 +37,7 @@ from .routing import RequestRouter
 from .step_timing import StepTiming
 from .scheduler import Scheduler
 from .multi_node import NodeLayout
+from .structured_output import StructuredOutputManager
 from .workers import WorkerFailure, WorkerGroup, worker_template
 
 log = logging.getLogger("evenflow.core.engine")
@@ -97,7 +99,11 @@ class EngineCore:
             max_long_partial_prefills=self.cfg.max_long_partial_prefills)
         sched_cfg.validate()
         self.workers.init_kv_cache(num_blocks)
-        self.scheduler = Scheduler(sched_cfg)
+        # A finished grammar compile wakes an idle loop through the inbox (None: no message).
+        grammars = StructuredOutputManager(Path(self.info.model_path) / "tokenizer.json", self.info.vocab_size,
+                                           self.info.eos_token_ids, wake=lambda: self.link.inbox.put(None))  # type: ignore[union-attr]
+        grammars.prepare()
+        self.scheduler = Scheduler(sched_cfg, grammars)
         if self.cfg.enable_prefix_caching:
             self._kv_events = self.scheduler.kv_cache_manager.pool.events = KVEventLog()
         ready = Ready(PROTOCOL_VERSION, self.info.model_name, self.info.model_path, self.max_model_len,
@@ -140,6 +146,8 @@ class EngineCore:
             return 1
         finally:
             self.link.close()
+            if self.scheduler.structured_output is not None:
+                self.scheduler.structured_output.shutdown()
             self.workers.shutdown(timeout=1.0 if self._stop_reason is None else 5.0)
             self._ctx.destroy(linger=0)
 
@@ -164,6 +172,8 @@ class EngineCore:
         scheduled = False
         if len(self._in_flight) < self._depth and sched.has_unfinished_requests():
             so = sched.schedule()
+            for error in sched.take_grammar_failures():  # the request is gone: tell its client why
+                self._send_request_error(error)
             if so.total_num_scheduled_tokens > 0:
                 self._send(so)
                 scheduled = True
@@ -218,7 +228,9 @@ class EngineCore:
 
     # ----------------------------------------------------------------------------- inputs
 
-    def _on_input(self, item: ClientMessage | ClientGone) -> None:
+    def _on_input(self, item: ClientMessage | ClientGone | None) -> None:
+        if item is None:  # a grammar compile finished: waking the loop was the point
+            return
         if isinstance(item, ClientGone):
             ids = self._router.drop_client(item.identity)
             if ids:
@@ -256,6 +268,12 @@ class EngineCore:
             link.send(identity, Error(ERR_INVALID_REQUEST, str(e), msg.request_id))
             return
         self._router.add(eid, identity, msg.request_id)
+
+    def _send_request_error(self, error: Error) -> None:
+        route = self._router.forget(error.request_id)  # type: ignore[arg-type]
+        if route is not None:
+            identity, error.request_id = route
+            self.link.send(identity, error)  # type: ignore[union-attr]
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         if call.method == "get_stats":

@@ -13,9 +13,12 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 from evenflow.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from .structured_output import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -129,6 +132,8 @@ class Request:
         # Step that first scheduled this request (-1: never): outputs of older steps are stale.
         self.first_scheduled_step = -1
         self.first_scheduled_time = 0.0  # unix seconds; for the queue-time metric
+        # Structured output: its compile and matcher (set by StructuredOutputManager.submit).
+        self.grammar: GrammarState | None = None
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """The one way tokens are added: output and all-tokens lists grow together."""
@@ -141,6 +146,11 @@ class Request:
         self.num_tokens = len(self._all_token_ids)
 
     @property
+    def use_structured_output(self) -> bool:
+        """A grammar constrains its tokens: it is never given drafts to verify (speculation off)."""
+        return self.sampling_params.structured_outputs is not None
+
+    @property
     def num_tokens_with_spec(self) -> int:
         return self.num_tokens + len(self.spec_token_ids)
 
@@ -150,7 +160,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status > RequestStatus.PREEMPTED
+        return RequestStatus.is_finished(self.status)
 
     @property
     def is_prefilling(self) -> bool:
@@ -159,7 +169,7 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self.status)
+        return RequestStatus.finish_reason(self.status)
 
     def check_stop(self, last_token: int, max_model_len: int) -> RequestStatus | None:
         """The finished status ``last_token`` (just appended) leads to, or None to go on.

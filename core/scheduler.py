@@ -21,7 +21,9 @@ from bisect import insort
 from collections.abc import Iterable
 
 from evenflow.protocol import (
+    ERR_INVALID_REQUEST,
     CachedRequestData,
+    Error,
     ModelRunnerOutput,
     NewRequestData,
     RequestOutput,
@@ -34,14 +36,16 @@ from .config import SchedulerConfig
 from .kv_cache_manager import KVCacheManager
 from .prefill_gate import PrefillGate
 from .request import FCFSQueue, PriorityQueue, Request, RequestStatus, WaitingQueue
+from .structured_output import StructuredOutputManager
 
 
 class Scheduler:
     """Decides, step by step, which requests run and how many of their tokens."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, structured_output: StructuredOutputManager | None = None) -> None:
         config.validate()
         self.config = config
+        self.structured_output = structured_output  # None: requests with a grammar are refused
         self.kv_cache_manager = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: WaitingQueue = PriorityQueue() if config.policy == "priority" else FCFSQueue()
@@ -58,6 +62,7 @@ class Scheduler:
         self._num_scheduled_tokens = 0  # every step's scheduled tokens, recomputation included
         self._schedule_s = 0.0
         self._update_s = 0.0
+        self._grammar_failures: list[Error] = []  # for take_grammar_failures
 
     @property
     def num_running(self) -> int:
@@ -78,6 +83,11 @@ class Scheduler:
             raise ValueError(
                 f"prompt of {request.num_prompt_tokens} tokens: must be 1..max_model_len={self.config.max_model_len}"
             )
+        if request.use_structured_output:
+            if self.structured_output is None:
+                raise ValueError("this engine-core does not serve structured output")
+            self.structured_output.submit(request)  # ValueError when it cannot even start
+            request.status = RequestStatus.WAITING_FOR_FSM
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -111,6 +121,7 @@ class Scheduler:
         controller = self.budget_controller
         gate = PrefillGate.for_step(config, self._long_threshold, self.running, len(self.waiting),
                                     None if controller is None else controller.prefill_allowance)
+        structured: list[Request] = []  # requests with a grammar that sample this step
 
         # 1. RUNNING requests, in order. A victim is always behind the current index, so
         #    nothing scheduled earlier in this step is ever taken back.
@@ -148,6 +159,8 @@ class Scheduler:
             num_scheduled_tokens[req_id] = num_new
             token_budget -= num_new
             self._advance(request, num_new)
+            if request.grammar is not None and request.num_output_placeholders:
+                structured.append(request)
             index += 1
 
         # 2. WAITING requests, only when nobody was preempted (they would just preempt back).
@@ -155,8 +168,12 @@ class Scheduler:
             skipped: list[Request] = []
             while self.waiting and token_budget > 0 and len(self.running) < config.max_num_seqs:
                 request = self.waiting.peek()
-                if request.num_output_placeholders > 0 or request.status == RequestStatus.WAITING_FOR_FSM:
-                    # A token of an in-flight step is still owed to it, or its grammar compiles.
+                if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+                    if not request.is_finished:  # still compiling: keep its place, serve the others
+                        skipped.append(self.waiting.pop())
+                    continue
+                if request.num_output_placeholders > 0:
+                    # A token of an in-flight step is still owed to it.
                     skipped.append(self.waiting.pop())
                     continue
                 computed = kv.get_computed_blocks(request)  # the request trusts only the cache
@@ -196,6 +213,8 @@ class Scheduler:
                 num_scheduled_tokens[req_id] = num_new
                 token_budget -= num_new
                 self._advance(request, num_new)
+                if request.grammar is not None and request.num_output_placeholders:
+                    structured.append(request)
             for request in reversed(skipped):
                 self.waiting.add_front(request)
 
@@ -215,6 +234,9 @@ class Scheduler:
         )
         if controller is not None:
             controller.record(output, gate)  # type: ignore[arg-type]  # a controller always opens a gate
+        if structured:
+            output.structured_output_req_ids = [request.request_id for request in structured]
+            output.grammar_bitmask = self.structured_output.fill_bitmask(structured)  # type: ignore[union-attr]
         self._schedule_s += time.perf_counter() - start
         return output
 
@@ -223,6 +245,8 @@ class Scheduler:
         config = self.config
         num_computed = request.num_computed_tokens
         placeholders = request.num_output_placeholders
+        if placeholders and request.grammar is not None:
+            return 0  # its next mask depends on the token still in flight: wait for it
         if placeholders and (
             # Tokens still in flight will finish it anyway: any more work would be thrown away.
             request.num_output_tokens + placeholders >= request.sampling_params.max_tokens
@@ -241,6 +265,22 @@ class Scheduler:
             num_new = token_budget
         max_by_len = self.config.max_model_len - num_computed
         return num_new if num_new < max_by_len else max_by_len
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a WAITING_FOR_FSM request's grammar compiled (it becomes WAITING); a failed
+        compile finishes it (its client hears why: ``take_grammar_failures``)."""
+        problem = self.structured_output.resolve(request)  # type: ignore[union-attr]
+        if problem:
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            self._grammar_failures.append(Error(ERR_INVALID_REQUEST, problem, request.request_id))
+        elif problem == "":
+            request.status = RequestStatus.WAITING
+        return problem == ""
+
+    def take_grammar_failures(self) -> list[Error]:
+        """``invalid_request`` errors (engine request ids) of the grammars that failed to compile."""
+        failures, self._grammar_failures = self._grammar_failures, []
+        return failures
 
     def _advance(self, request: Request, num_new: int) -> None:
         """Count a scheduled chunk as computed; a chunk reaching the end will sample a token."""
@@ -301,11 +341,13 @@ class Scheduler:
                 finished_status = request.check_stop(token_id, self.config.max_model_len)
                 if finished_status is not None:
                     break
+            if request.grammar is not None:
+                self.structured_output.accept(request, sampled[:num_accepted])  # type: ignore[union-attr]
             self._num_generation_tokens += num_accepted
             if finished_status is not None:
                 any_running_finished |= request.status == RequestStatus.RUNNING
                 self._finish(request, finished_status)
-            elif proposals is not None and request.num_output_placeholders == 0:
+            elif proposals is not None and request.num_output_placeholders == 0 and not request.use_structured_output:
                 # Drafts extend the last known token; with a step still in flight they would not.
                 request.spec_token_ids = list(proposals[i])
             elif request.spec_token_ids:
@@ -360,6 +402,7 @@ class Scheduler:
             schedule_s=self._schedule_s,
             update_s=self._update_s,
             num_scheduled_tokens=self._num_scheduled_tokens,
+            **(self.structured_output.stats.as_fields() if self.structured_output else {}),
         )
         return stats if self.budget_controller is None else self.budget_controller.fill_stats(stats)
 

@@ -30,13 +30,6 @@ log = logging.getLogger("evenflow.frontend.dp_client")
 _SAME_MODEL = ("model_name", "model_path", "max_model_len", "vocab_size", "eos_token_ids", "block_size")
 
 
-def _add(values: list) -> object:
-    """Numbers add up; per-bucket counts (lists) add up bucket by bucket."""
-    if values and isinstance(values[0], list):
-        return [sum(column) for column in itertools.zip_longest(*values, fillvalue=0)]
-    return sum(values)
-
-
 def sum_stats(snapshots: list[SchedulerStats]) -> SchedulerStats:
     """Totals over engine-cores: counts and seconds add up; KV cache usage is the mean; the
     adaptive budget's target is the engines' (the same flag), not a sum."""
@@ -44,6 +37,14 @@ def sum_stats(snapshots: list[SchedulerStats]) -> SchedulerStats:
     total.kv_cache_usage = total.kv_cache_usage / max(1, len(snapshots))
     total.target_itl_s = max((s.target_itl_s for s in snapshots), default=0.0)
     return total
+
+
+def _add(values: list) -> object:
+    """A sum; per-bucket counts (``grammar_compile_buckets``, ``token_budget_log2_counts``) add bucket
+    by bucket."""
+    if values and isinstance(values[0], list):
+        return [sum(column) for column in itertools.zip_longest(*values, fillvalue=0)]
+    return sum(values)
 
 
 class DataParallelClient:

@@ -31,6 +31,7 @@ from evenflow.protocol.validation import check_context_length, check_prompt_toke
 
 from .api.generation import Generation
 from .api.prepare import ChoicePlan, fan_out, stop_strings
+from .api.structured import offline_structured_outputs
 from .chat_template import render_chat
 from .outputs import LogprobEntry
 from .progress import Progress
@@ -203,6 +204,8 @@ class LLM:
         problem = check_sampling_params(engine, self.ready.vocab_size)
         if problem is not None:
             raise ValueError(problem.message)
+        if engine.structured_outputs is not None:
+            engine = msgspec.structs.replace(engine, structured_outputs=offline_structured_outputs(engine.structured_outputs))
         plan = ChoicePlan(prompt_ids, fan_out(engine, n), stop_strings(getattr(sp, "stop", None)),
                           getattr(sp, "include_stop_str_in_output", False), getattr(sp, "skip_special_tokens", True), 0)
         return Generation(self._client.async_client, self.tokenizer, f"llm{next(self._ids)}", [plan])

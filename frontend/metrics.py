@@ -41,6 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from evenflow.protocol import SchedulerStats
 
 from .budget_metrics import token_budget_histogram
+from .grammar_metrics import grammar_compile_histogram
 
 # Bucket bounds as vLLM uses them, so dashboards built for vLLM read these histograms the same way.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -104,6 +105,9 @@ ENGINE_METRICS: list[EngineMetric] = [
                  lambda e: e.num_steps_within_target),
     EngineMetric("evenflow:target_steps_within_ratio", "gauge", "Share of planned steps whose time met the target.",
                  lambda e: e.num_steps_within_target / e.num_controlled_steps if e.num_controlled_steps else 0.0),
+    EngineMetric("evenflow:grammar_cache_hits_total", "counter",
+                 "Structured output requests whose grammar was already compiled or compiling.",
+                 lambda e: e.grammar_cache_hits),
 ]
 COUNTERS: dict[str, str] = {
     "evenflow:prompt_tokens_total": "Prompt tokens of finished and running requests.",
@@ -301,6 +305,7 @@ class _SnapshotCollector:
             histogram = HistogramMetricFamily(name, help_text, labels=labels)
             histogram.add_metric(values, list(zip(bounds, cumulative)), h.sum)
             yield histogram
+        yield grammar_compile_histogram(engine, labels, values)
 
 
 def render_prometheus(s: MetricsSnapshot, model_name: str) -> str:

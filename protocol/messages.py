@@ -30,6 +30,34 @@ Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 # --------------------------------------------------------------------------------------------
 
 
+class StructuredOutputsParams(Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """A grammar the output must follow (vLLM's ``structured_outputs``): exactly one field is set.
+
+    ``json`` is a JSON schema serialized as a string (the engine's cache key is the text, so a
+    client should serialize canonically: sorted keys, no spaces); ``json_object`` asks for any
+    JSON object; ``regex`` is a regular expression the whole output matches; ``choice`` lists the
+    only allowed outputs; ``grammar`` is a Lark grammar (llguidance's dialect).
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def kind_and_spec(self) -> tuple[str, str] | None:
+        """``(kind, spec)`` of the one constraint set, None when none is; raises ValueError on two."""
+        set_fields = [(k, v) for k, v in (("json", self.json), ("regex", self.regex), ("grammar", self.grammar))
+                      if v is not None]
+        if self.choice is not None:
+            set_fields.append(("choice", msgspec.json.encode(self.choice).decode()))
+        if self.json_object:
+            set_fields.append(("json_object", ""))
+        if len(set_fields) > 1:
+            raise ValueError(f"structured_outputs sets {', '.join(k for k, _ in set_fields)}: set exactly one")
+        return set_fields[0] if set_fields else None
+
+
 class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True):
     """How to pick tokens for one request (one sample; the frontend fans out ``n``).
 
@@ -51,6 +79,8 @@ class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True):
     stop_token_ids: list[Int64] = []
     ignore_eos: bool = False
     logprobs: Int64 | None = None
+    # Constrained decoding (a grammar); None: free text. Requests with one are never speculated.
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 class TokenLogprobs(Struct, array_like=True):
@@ -104,6 +134,11 @@ class SchedulerOutput(Struct, tag="sched", array_like=True):
     # Requests preempted this step: workers drop them from the running batch but keep their
     # tokens, since a preempted request comes back as a CachedRequestData resumed_from_preemption.
     preempted_req_ids: list[str] = []
+    # Structured output: requests whose logits are masked this step (each samples this step), and
+    # their allowed-token bitmasks: int32 little-endian rows in that order, ceil(vocab/32) words
+    # each, bit j of word w allowing token 32*w + j (llguidance's and xgrammar's layout).
+    structured_output_req_ids: list[str] = []
+    grammar_bitmask: bytes = b""
 
 
 class ModelRunnerOutput(Struct, tag="mro", array_like=True):
@@ -280,6 +315,11 @@ class SchedulerStats(Struct, array_like=True):
     worker_sample_s: float = 0.0  # cumulative worker seconds sampling
     worker_idle_s: float = 0.0  # cumulative seconds the engine had no step in flight
     num_scheduled_tokens: int = 0  # cumulative sum of every step's scheduled tokens (recomputation included)
+    # Structured output (cumulative): grammar compiles per histogram bucket (bounds in
+    # protocol/structured_outputs.py COMPILE_BUCKETS_S, last = +Inf), their seconds, and cache hits.
+    grammar_compile_buckets: list[int] = []
+    grammar_compile_s: float = 0.0
+    grammar_cache_hits: int = 0
     # --target-itl-ms (all 0 when off): the step-time target, the last step's chosen token budget
     # (its decodes + the prefill allowed beside them), per-bucket counts of chosen budgets (bucket i:
     # budgets in (2**(i-1), 2**i]) and their sum, and over steps that carried decodes: predicted and measured

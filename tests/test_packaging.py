@@ -15,7 +15,9 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 ROOT = Path(__file__).resolve().parent.parent
 # Imported only behind a skip or an availability check (CUDA-only kernels, the GPU extra).
 OPTIONAL = {"flash_attn": "cuda", "triton": "test",
-            "vllm": "the peer's own venv (docs/peer.md), for scripts/vllm_cli.py"}
+            "vllm": "the peer's own venv (docs/peer.md), for scripts/vllm_cli.py",
+            "xgrammar": "grammar-bench, compared by scripts/bench_grammar.py",
+            "outlines_core": "grammar-bench, compared by scripts/bench_grammar.py"}
 
 
 def _imported_top_modules(paths: list[Path]) -> set[str]:

@@ -24,6 +24,7 @@ from evenflow.worker.attention.selector import select_backend
 from evenflow.worker.batch import PersistentBatch, RequestState, StepInputs
 from evenflow.worker.config_reader import read_model_config
 from evenflow.worker.device_timer import ForwardTimer
+from evenflow.worker.grammar_mask import apply_grammar_bitmask
 from evenflow.worker.kv_cache import (
     allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks, measure_cuda_memory,
 )
@@ -189,6 +190,8 @@ class ModelRunner:
                                 inputs.logits_indices)
         self.forward_timer.stop()
         sampled_reqs = [s for s, m in zip(inputs.requests, inputs.sample_mask.tolist()) if m]
+        if so.structured_output_req_ids and self.tp.rank == 0:  # only rank 0 samples
+            logits = apply_grammar_bitmask(logits, [s.req_id for s in sampled_reqs], so, self.vocab_size)
         sampled, logprobs = self._sample(logits, sampled_reqs)  # the step's host synchronization
         self.batch.append_sampled(sampled_reqs, sampled)
         t3 = time.perf_counter()

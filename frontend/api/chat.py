@@ -23,6 +23,7 @@ from .openai import (
     ChatMessageOut,
     encode_json,
 )
+from .structured import structured_outputs_async
 from .prepare import chat_logprobs, chat_prompt_async, check_unsupported, plan_choices
 from .sse import DONE, SSEResponse, run_until_disconnect, sse_event
 
@@ -31,10 +32,12 @@ async def create_chat_completion(ctx: ServingContext, body: bytes, receive: Rece
     req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest)
     ctx.check_model(req.model)
     check_unsupported(req)
+    structured = await structured_outputs_async(req)
     prompt_ids = await chat_prompt_async(req, ctx.tokenizer, req.messages)
     logprobs = chat_logprobs(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    plan = plan_choices(req, prompt_ids, ctx.max_model_len, ctx.vocab_size, logprobs, max_tokens=max_tokens)
+    plan = plan_choices(req, prompt_ids, ctx.max_model_len, ctx.vocab_size, logprobs, max_tokens=max_tokens,
+                        structured_outputs=structured)
     request_id = new_id("chatcmpl")
     gen = Generation(ctx.client, ctx.tokenizer, request_id, [plan], ctx.metrics)
     top_n = logprobs or 0

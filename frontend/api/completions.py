@@ -13,6 +13,7 @@ from .context import ServingContext, decode_body, engine_error_to_api, new_id
 from .errors import APIError
 from .generation import Generation
 from .openai import CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, Usage, encode_json
+from .structured import structured_outputs_async
 from .prepare import COMPLETIONS_DEFAULT_MAX_TOKENS, check_unsupported, completion_prompts_async, plan_choices
 from .sse import DONE, SSEResponse, run_until_disconnect, sse_event
 
@@ -26,9 +27,11 @@ async def create_completion(ctx: ServingContext, body: bytes, receive: Receive) 
     req: CompletionRequest = decode_body(body, CompletionRequest)
     ctx.check_model(req.model)
     check_unsupported(req)
+    structured = await structured_outputs_async(req)
     prompts = await completion_prompts_async(req.prompt, ctx.tokenizer)
     plans = [plan_choices(req, ids, ctx.max_model_len, ctx.vocab_size, req.logprobs,
-                          default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS) for ids in prompts]
+                          default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, structured_outputs=structured)
+             for ids in prompts]
     request_id = new_id("cmpl")
     gen = Generation(ctx.client, ctx.tokenizer, request_id, plans, ctx.metrics)
     echo = [_prompt_text(ctx, req, i, ids) for i, ids in enumerate(prompts)] if req.echo else None

@@ -45,9 +45,15 @@ class _SamplingFields(Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    # Structured output (api/structured.py): OpenAI's response_format, vLLM's extensions.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # OpenAI fields evenflow does not implement: declared so that a non-default value is a 400
     # (``prepare.check_unsupported``) instead of being ignored.
-    response_format: dict[str, Any] | None = None
     logit_bias: dict[str, Any] | None = None
 
 

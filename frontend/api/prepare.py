@@ -14,7 +14,7 @@ from typing import Any, Callable, TypeVar
 
 import msgspec
 
-from evenflow.protocol import SamplingParams
+from evenflow.protocol import SamplingParams, StructuredOutputsParams
 from evenflow.protocol.validation import Problem, check_context_length, check_prompt_token_ids, check_sampling_params
 
 from ..chat_template import ChatTemplateError, content_text, render_chat
@@ -140,9 +140,6 @@ def check_unsupported(req: Any) -> None:
     def refuse(field: str) -> None:
         raise bad_request(f"{field} is not supported by evenflow", field)
 
-    response_format = getattr(req, "response_format", None)
-    if response_format is not None and response_format.get("type", "text") != "text":
-        refuse("response_format")
     if getattr(req, "logit_bias", None):
         refuse("logit_bias")
     if getattr(req, "tools", None):
@@ -179,6 +176,7 @@ def plan_choices(
     logprobs: int | None,
     max_tokens: int | None = None,
     default_max_tokens: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> ChoicePlan:
     """SamplingParams for each of ``req.n`` choices, after every length and range check.
 
@@ -211,6 +209,7 @@ def plan_choices(
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        structured_outputs=structured_outputs,
     )
     _raise_if(check_sampling_params(base, vocab_size))
     params = fan_out(base, req.n)

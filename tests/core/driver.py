@@ -117,5 +117,6 @@ def run_workload(
     result.num_steps = step
     kv = scheduler.kv_cache_manager
     assert not kv.req_to_blocks, "block tables left after every request finished"
+    assert not kv.num_cached_blocks, "per-request cache bookkeeping left after every request finished"
     assert kv.num_free_blocks == config.num_kv_blocks, "blocks leaked"
     return result

@@ -90,3 +90,15 @@ def test_reset_prefix_cache_forgets_hashes_of_free_and_used_blocks() -> None:
     assert pool.reset_prefix_cache()
     assert pool.get_cached_block(b"u") is None and pool.get_cached_block(b"f") is None
     assert used.block_hash is None and freed.block_hash is None and used.ref_cnt == 1
+
+
+def test_misuse_raises_errors_that_name_the_block_or_the_count() -> None:
+    queue = FreeBlockQueue([])
+    with pytest.raises(ValueError, match="^no free block$"):
+        queue.popleft()
+    with pytest.raises(ValueError, match=r"^KVBlock\(7, ref=0, hashed=False\) is not in the free queue$"):
+        queue.remove(KVBlock(7))  # never queued: both links are None
+    with pytest.raises(ValueError, match="^num_blocks must be >= 1, got 0$"):
+        BlockPool(0)
+    with pytest.raises(ValueError, match="^asked for 3 blocks, 2 free$"):
+        BlockPool(2).get_new_blocks(3)

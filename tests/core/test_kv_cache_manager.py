@@ -147,3 +147,55 @@ def test_prefix_caching_can_be_disabled() -> None:
     admit(kv, make_request("a", list(range(9))))
     assert admit(kv, make_request("b", list(range(9)))) == 0
     assert not kv.pool.cached_blocks and (kv.prefix_cache_queries, kv.prefix_cache_hits) == (0, 0)
+
+
+def test_freeing_a_request_leaves_nothing_of_it_behind() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    request = make_request("a", list(range(9)))
+    admit(kv, request)
+    assert kv.get_block_ids("a") == [0, 1, 2]
+    kv.free(request)
+    # A long-running engine sees millions of ids: no per-request entry may outlive its request.
+    assert kv.req_to_blocks == {} and kv.num_cached_blocks == {}
+    assert kv.get_blocks("a") == [] and kv.get_block_ids("a") == []
+    assert kv.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("length", [4, 5])  # hashed when allocated (4) or already when looked up (5)
+def test_cache_extra_keys_keep_requests_from_sharing_blocks(length: int) -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    salted = make_request("salted", list(range(length)))
+    salted.cache_extra_keys = ("adapter-a",)
+    admit(kv, salted)
+    plain = make_request("plain", list(range(5)))
+    assert kv.get_computed_blocks(plain).num_tokens == 0
+    same_salt = make_request("same-salt", list(range(5)))
+    same_salt.cache_extra_keys = ("adapter-a",)
+    assert kv.get_computed_blocks(same_salt).num_tokens == 4
+
+
+def test_blocks_in_use_at_a_reset_are_never_cached_again() -> None:
+    """After reset_prefix_cache (new weights) a running request's old blocks stay private."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    running = make_request("running", list(range(8)))
+    admit(kv, running)
+    assert kv.reset_prefix_cache()
+    running.append_output_token_ids([8, 9, 10, 11])
+    assert kv.allocate_slots(running, 4) is not None  # fills and caches its third block
+    running.num_computed_tokens = 12
+    assert kv.get_computed_blocks(make_request("later", list(range(13)))).num_tokens == 0
+
+
+def test_a_prefix_hit_applies_only_on_admission() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    request = make_request("a", list(range(6)))
+    admit(kv, request)
+    with pytest.raises(ValueError, match="^a already holds blocks: a prefix hit applies only on admission$"):
+        kv.allocate_slots(request, 1, kv.get_computed_blocks(request))
+
+
+def test_prefix_cache_counters_add_up_over_admissions() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    for request_id in "abc":
+        admit(kv, make_request(request_id, list(range(9))))
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (27, 16)  # hits of 0, 8 and 8 tokens

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import time
+
 import pytest
 from evenflow.core.request import FCFSQueue, PriorityQueue, Request, RequestStatus
 from evenflow.protocol import SamplingParams
@@ -81,3 +83,21 @@ def test_priority_queue_orders_by_priority_then_arrival() -> None:
     assert [r.request_id for r in queue] == ["early-high", "late-high", "mid", "low"]
     queue.remove(next(r for r in queue if r.request_id == "mid"))
     assert [queue.pop().request_id for _ in range(3)] == ["early-high", "late-high", "low"]
+
+
+def test_token_views_compare_by_content() -> None:
+    request = make_request(prompt=[5, 6])
+    assert request.prompt_token_ids == make_request(prompt=[5, 6]).prompt_token_ids
+    assert request.prompt_token_ids != make_request(prompt=[5, 7]).prompt_token_ids
+    assert request.prompt_token_ids == [5, 6] and request.prompt_token_ids != [5]
+
+
+def test_defaults_arrive_now_with_vllm_priority_zero() -> None:
+    before = time.time()
+    request = make_request()
+    assert before <= request.arrival_time <= time.time()
+    # Priority 0 by default (vLLM's): an earlier request that asked for priority 1 goes after it.
+    queue = PriorityQueue()
+    queue.add(make_request("explicit-1", priority=1, arrival_time=0.0))
+    queue.add(make_request("default", arrival_time=1.0))
+    assert [r.request_id for r in queue] == ["default", "explicit-1"]

@@ -191,17 +191,6 @@ def test_max_num_seqs_caps_running_requests() -> None:
     assert (scheduler.num_running, scheduler.num_waiting) == (2, 2)
 
 
-def test_request_compiling_its_grammar_waits_without_blocking_others() -> None:
-    scheduler = make_scheduler()
-    compiling = add(scheduler, "fsm", 4)
-    compiling.status = RequestStatus.WAITING_FOR_FSM
-    add(scheduler, "plain", 4)
-    assert set(scheduler.schedule().num_scheduled_tokens) == {"plain"}
-    assert scheduler.waiting.peek() is compiling
-    compiling.status = RequestStatus.WAITING  # grammar ready
-    assert [new.req_id for new in scheduler.schedule().scheduled_new_reqs] == ["fsm"]
-
-
 def test_abort_waiting_running_and_in_flight() -> None:
     scheduler = make_scheduler(max_num_seqs=1)
     running = add(scheduler, "running", 6)

@@ -108,8 +108,6 @@ def test_echo_with_logprobs_is_refused(http: TestClient) -> None:
 
 
 @pytest.mark.parametrize("path,field,value", [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/completions", "response_format", {"type": "json_schema", "json_schema": {}}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),

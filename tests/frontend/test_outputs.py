@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from evenflow.frontend.outputs import (
@@ -117,6 +117,9 @@ def test_logprob_tokens_and_offsets_follow_the_real_text_metaspace() -> None:
 @given(text=st.text(max_size=40), cut=st.integers(1, 4))
 def test_logprob_offsets_index_each_tokens_text_byte_level(demo_tokenizer: Tokenizer, text: str, cut: int) -> None:
     ids = demo_tokenizer.encode(text, add_special_tokens=False)
+    # A special token's text (hypothesis mines "<|im_end|>" from the sources) is skipped in the
+    # output, as vLLM's skip_special_tokens does; that is not what this test is about.
+    assume(not demo_tokenizer.special_ids.intersection(ids))
     asm = ChoiceAssembler(demo_tokenizer, prompt_token_ids=demo_tokenizer.encode("say:"))
     for i in range(0, len(ids), cut):
         chunk = ids[i:i + cut]

@@ -27,6 +27,7 @@ class Job:
 class RunResult:
     outputs: dict[str, list[int]]
     steps: list[SchedulerOutput] = field(default_factory=list)
+    runner_outputs: list[ModelRunnerOutput] = field(default_factory=list)  # in step order
 
     @property
     def num_preemptions(self) -> int:
@@ -54,16 +55,21 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def run_jobs(runner: ModelRunner, jobs: list[Job], num_blocks: int, budget: int = 2048, overlap: bool = False,
              enable_prefix_caching: bool = True, max_steps: int = 2000,
-             max_model_len: int | None = None) -> RunResult:
+             max_model_len: int | None = None, scheduler_overrides: dict[str, object] | None = None) -> RunResult:
     """Run ``jobs`` to completion; with ``overlap`` step N+1 is scheduled before N's output applies.
 
     The runner's cache is reallocated to ``num_blocks`` so that it matches the scheduler's pool.
+    ``scheduler_overrides`` sets any other SchedulerConfig field (max_num_seqs, policy, ...).
     """
     runner.init_kv_cache(num_blocks)
+    # Rows keep a previous run's block ids past their live blocks (read, then masked, by padded
+    # attention); a smaller cache than that run's would make them out of range.
+    runner.batch.block_table[:] = 0
     sched = Scheduler(SchedulerConfig(num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
                                       max_model_len=max_model_len or runner.config.max_model_len,
                                       block_size=runner.block_size,
-                                      enable_prefix_caching=enable_prefix_caching))
+                                      enable_prefix_caching=enable_prefix_caching,
+                                      **(scheduler_overrides or {})))  # type: ignore[arg-type]
     result = RunResult({j.req_id: [] for j in jobs})
     pending = sorted(jobs, key=lambda j: j.arrive_step)
     in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput | None]] = []
@@ -90,5 +96,6 @@ def run_jobs(runner: ModelRunner, jobs: list[Job], num_blocks: int, budget: int 
 def _apply(sched: Scheduler, done: tuple[SchedulerOutput, ModelRunnerOutput | None], result: RunResult) -> None:
     so, mro = done
     assert mro is not None and mro.step_id == so.step_id
+    result.runner_outputs.append(mro)
     for out in sched.update_from_output(so, mro):
         result.outputs[out.request_id].extend(out.new_token_ids)

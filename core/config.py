@@ -8,6 +8,7 @@ from evenflow.protocol import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's online-serving default
+LONG_PREFILL_SHARE_OF_MAX_LEN = 0.04  # vLLM V0's default long-prompt threshold when N > 1
 
 
 class ConfigError(ValueError):
@@ -34,6 +35,18 @@ def check_scheduler_limits(max_num_batched_tokens: int, max_num_seqs: int, block
         raise ConfigError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
 
 
+def check_prefill_limits(max_num_partial_prefills: int, max_long_partial_prefills: int,
+                         target_itl_ms: float | None) -> None:
+    """The rules on the adaptive-budget and partial-prefill flags (vLLM's), shared like the above."""
+    if max_num_partial_prefills < 1 or max_long_partial_prefills < 1:
+        raise ConfigError("--max-num-partial-prefills and --max-long-partial-prefills must be >= 1")
+    if max_long_partial_prefills > max_num_partial_prefills:
+        raise ConfigError(f"--max-long-partial-prefills ({max_long_partial_prefills}) must be <= "
+                          f"--max-num-partial-prefills ({max_num_partial_prefills})")
+    if target_itl_ms is not None and not target_itl_ms > 0:
+        raise ConfigError(f"--target-itl-ms must be positive, got {target_itl_ms}")
+
+
 @dataclass
 class SchedulerConfig:
     """Everything the scheduler and its KV cache manager need to know.
@@ -51,6 +64,16 @@ class SchedulerConfig:
     policy: str = "fcfs"  # or "priority": smaller value first, then arrival time
     enable_prefix_caching: bool = True
     speculative_config: SpeculativeConfig | None = None  # None: no drafts
+    target_itl_ms: float | None = None  # None: a fixed budget; else max_num_batched_tokens is its upper bound
+    max_num_partial_prefills: int = 1  # > 1: bounds on prompts mid-prefill (vLLM V0), see prefill_gate.py
+    max_long_partial_prefills: int = 1
+
+    @property
+    def effective_long_prefill_threshold(self) -> int:
+        """The given threshold, else 4% of max_model_len when N > 1 (vLLM V0), else 0 (off)."""
+        if self.long_prefill_token_threshold == 0 and self.max_num_partial_prefills > 1:
+            return max(1, int(self.max_model_len * LONG_PREFILL_SHARE_OF_MAX_LEN))
+        return self.long_prefill_token_threshold
 
     def validate(self) -> None:
         """Raise ConfigError (a ValueError) naming the first bad value or combination."""
@@ -58,6 +81,7 @@ class SchedulerConfig:
             raise ConfigError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
         check_scheduler_limits(self.max_num_batched_tokens, self.max_num_seqs, self.block_size,
                                self.long_prefill_token_threshold, self.policy, self.max_model_len)
+        check_prefill_limits(self.max_num_partial_prefills, self.max_long_partial_prefills, self.target_itl_ms)
         # A request that may grow to max_model_len must fit in the pool on its own; otherwise it
         # would preempt everybody and still never finish.
         blocks_per_max_len = -(-self.max_model_len // self.block_size)

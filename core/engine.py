@@ -94,7 +94,9 @@ class EngineCore:
             num_kv_blocks=num_blocks, max_num_batched_tokens=self.cfg.max_num_batched_tokens,
             max_num_seqs=self.cfg.max_num_seqs, max_model_len=self.max_model_len, block_size=self.block_size,
             long_prefill_token_threshold=self.cfg.long_prefill_token_threshold, policy=self.cfg.scheduling_policy,
-            enable_prefix_caching=self.cfg.enable_prefix_caching, speculative_config=self.cfg.speculative_config)
+            enable_prefix_caching=self.cfg.enable_prefix_caching, target_itl_ms=self.cfg.target_itl_ms,
+            max_num_partial_prefills=self.cfg.max_num_partial_prefills,
+            max_long_partial_prefills=self.cfg.max_long_partial_prefills, speculative_config=self.cfg.speculative_config)
         sched_cfg.validate()
         self.workers.init_kv_cache(num_blocks)
         # A finished grammar compile wakes an idle loop through the inbox (None: no message).
@@ -181,6 +183,8 @@ class EngineCore:
         if self._in_flight and (len(self._in_flight) >= self._depth or not scheduled):
             item = self._in_flight.popleft()
             mro = self.workers.recv_output(item.so.step_id)
+            if item.after_idle:
+                mro.wait_s = 0.0  # the clients' silence, not part of the step (see StepTiming)
             outputs = sched.update_from_output(item.so, mro)
             self._account(mro, item.after_idle)
             self._publish(outputs)

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from evenflow.protocol import MAX_FRAME_BYTES, SpeculativeConfig, parse_speculative_config
 
-from .config import DEFAULT_MAX_NUM_SEQS, SCHEDULING_POLICIES, ConfigError, check_scheduler_limits
+from .config import DEFAULT_MAX_NUM_SEQS, SCHEDULING_POLICIES, ConfigError, check_prefill_limits, check_scheduler_limits
 
 __all__ = ["ConfigError", "EngineConfig", "build_parser", "config_from_args", "parse_size"]
 log = logging.getLogger("evenflow.core.engine_config")
@@ -55,6 +55,10 @@ class EngineConfig:
     master_port: int = 29501  # torch.distributed rendezvous; +1: step broadcast, +2: results
     headless: bool = False  # a worker launcher for node_rank >= 1: no scheduler, no frontend port
     dist_secret_file: str | None = None  # shared secret of every host (else $EVENFLOW_DIST_SECRET)
+    # Adaptive budget and partial-prefill bounds (core/budget_controller.py, core/prefill_gate.py).
+    target_itl_ms: float | None = None
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
     speculative_config: SpeculativeConfig | None = None  # --speculative-config JSON, validated when parsed
 
     def validate(self) -> None:
@@ -81,6 +85,7 @@ class EngineConfig:
             raise ConfigError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
         if self.worker_start_timeout <= 0 or self.client_timeout <= 0:
             raise ConfigError("--worker-start-timeout and --client-timeout must be positive")
+        check_prefill_limits(self.max_num_partial_prefills, self.max_long_partial_prefills, self.target_itl_ms)
         self._validate_nodes()
         if self.speculative_config is not None and (problem := self.speculative_config.validate()):
             raise ConfigError(f"--speculative-config: {problem}")
@@ -165,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--worker-threads", type=int, default=None,
       help="torch threads per worker for every step (default on CPU: a step estimated to take 15 ms or more "
            "on one thread uses every core, a shorter one leaves one free; divided by tensor-parallel-size)")
+    a("--target-itl-ms", type=float, default=None,
+      help="adaptive token budget: each step carries as much prefill as keeps its predicted time (fitted online "
+           "to measured steps) within this many ms; --max-num-batched-tokens becomes the upper bound")
+    a("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
+      help="when > 1: most requests with a prefill chunk in one step (vLLM V0)")
+    a("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
+      help="when --max-num-partial-prefills > 1: most of them longer than --long-prefill-token-threshold "
+           "(default then 4%% of max-model-len); shorter prompts go ahead of long ones that have no slot")
     g = p.add_argument_group("tensor parallel across hosts")
     g.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts the tensor-parallel ranks are split over")
     g.add_argument("--node-rank", type=int, default=d.node_rank, help="this host's index (0: the engine-core)")

@@ -9,6 +9,9 @@ lowest priority under ``priority``) is preempted by recompute.
 the step will sample, so the next step can be scheduled before this one's tokens are known (the
 workers fill those inputs from their own last sample). ``update_from_output()`` applies a step's
 tokens, possibly after a later step was scheduled, and runs the stop checks.
+
+Prefill chunks pass the step's ``PrefillGate`` when ``--target-itl-ms`` (the ``BudgetController``
+chooses how much prompt work rides along with the decodes) or ``--max-num-partial-prefills`` is on.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from evenflow.protocol import (
     SchedulerStats,
 )
 
+from .budget_controller import BudgetController
 from .config import SchedulerConfig
 from .kv_cache_manager import KVCacheManager
+from .prefill_gate import PrefillGate
 from .request import FCFSQueue, PriorityQueue, Request, RequestStatus, WaitingQueue
 from .spec_decode import SpecDecodeCounters, num_draft_slots
 from .structured_output import StructuredOutputManager
@@ -48,6 +53,8 @@ class Scheduler:
         # Kept in policy order, so the request to preempt is always the last one.
         self.running: list[Request] = []
         self._finished_req_ids: list[str] = []  # for the next SchedulerOutput
+        self._long_threshold = config.effective_long_prefill_threshold  # read per request on the hot path
+        self.budget_controller = BudgetController.for_config(config)  # None without --target-itl-ms
         self._next_step_id = 0
         self._num_steps = 0
         self._num_preemptions = 0
@@ -112,6 +119,10 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted_req_ids: list[str] = []
+        # How much prompt work rides along with the decodes (None: only the token budget limits it).
+        controller = self.budget_controller
+        gate = PrefillGate.for_step(config, self._long_threshold, self.running, len(self.waiting),
+                                    None if controller is None else controller.prefill_allowance)
         structured: list[Request] = []  # requests with a grammar that sample this step
 
         # 1. RUNNING requests, in order. A victim is always behind the current index, so
@@ -122,6 +133,8 @@ class Scheduler:
         while index < len(running) and token_budget > 0:
             request = running[index]
             num_new = self._num_new_tokens_running(request, token_budget)
+            if gate is not None and num_new > 0:
+                num_new = gate.limit(request, request.num_computed_tokens, num_new)
             if num_new <= 0:
                 index += 1
                 continue
@@ -135,6 +148,8 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(request, num_new)
             if new_blocks is None:
                 break  # the request itself was the last one running
+            if gate is not None:
+                gate.commit(request, request.num_computed_tokens, num_new)
             req_id = request.request_id
             num_slots = num_draft_slots(config.speculative_config, request, num_new, token_budget - num_new,
                                         config.max_model_len, num_running_at_start)
@@ -169,8 +184,17 @@ class Scheduler:
                     continue
                 computed = kv.get_computed_blocks(request)  # the request trusts only the cache
                 num_new = self._clamp(request.num_tokens - computed.num_tokens, computed.num_tokens, token_budget)
+                if gate is not None:
+                    num_new = gate.limit(request, computed.num_tokens, num_new)
+                    if num_new <= 0:
+                        if gate.long_slot_full(request, computed.num_tokens):
+                            skipped.append(self.waiting.pop())  # shorter prompts behind it may go
+                            continue
+                        break
                 if kv.allocate_slots(request, num_new, computed) is None:
                     break  # the pool is full: admit nobody behind it either
+                if gate is not None:
+                    gate.commit(request, computed.num_tokens, num_new)
                 self.waiting.pop()
                 req_id = request.request_id
                 block_ids = kv.get_block_ids(req_id)
@@ -214,6 +238,8 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
             preempted_req_ids=preempted_req_ids,
         )
+        if controller is not None:
+            controller.record(output, gate)  # type: ignore[arg-type]  # a controller always opens a gate
         if structured:
             output.structured_output_req_ids = [request.request_id for request in structured]
             output.grammar_bitmask = self.structured_output.fill_bitmask(structured)  # type: ignore[union-attr]
@@ -238,7 +264,7 @@ class Scheduler:
 
     def _clamp(self, num_new: int, num_computed: int, token_budget: int) -> int:
         """min(remaining, long-prefill threshold when on, budget, room left in max_model_len)."""
-        threshold = self.config.long_prefill_token_threshold
+        threshold = self._long_threshold
         if 0 < threshold < num_new:
             num_new = threshold
         if num_new > token_budget:
@@ -352,6 +378,8 @@ class Scheduler:
             )
         if any_running_finished:
             self.running = [request for request in self.running if not request.is_finished]
+        if self.budget_controller is not None:
+            self.budget_controller.observe(scheduler_output, model_runner_output)
         self._update_s += time.perf_counter() - start
         return outputs
 
@@ -371,7 +399,7 @@ class Scheduler:
     def get_stats(self) -> SchedulerStats:
         """A snapshot of what the scheduler owns (worker_* fields are the engine's)."""
         kv = self.kv_cache_manager
-        return self._spec_counters.fill(SchedulerStats(
+        stats = self._spec_counters.fill(SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=kv.usage,
@@ -386,6 +414,7 @@ class Scheduler:
             num_scheduled_tokens=self._num_scheduled_tokens,
             **(self.structured_output.stats.as_fields() if self.structured_output else {}),
         ))
+        return stats if self.budget_controller is None else self.budget_controller.fill_stats(stats)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; requests in flight keep their blocks."""

@@ -31,14 +31,17 @@ _SAME_MODEL = ("model_name", "model_path", "max_model_len", "vocab_size", "eos_t
 
 
 def sum_stats(snapshots: list[SchedulerStats]) -> SchedulerStats:
-    """Totals over engine-cores: counts and seconds add up; KV cache usage is the mean."""
+    """Totals over engine-cores: counts and seconds add up; KV cache usage is the mean; the
+    adaptive budget's target is the engines' (the same flag), not a sum."""
     total = SchedulerStats(*(_add([getattr(s, name) for s in snapshots]) for name in SchedulerStats.__struct_fields__))
     total.kv_cache_usage = total.kv_cache_usage / max(1, len(snapshots))
+    total.target_itl_s = max((s.target_itl_s for s in snapshots), default=0.0)
     return total
 
 
 def _add(values: list) -> object:
-    """A sum; per-bucket counts (``grammar_compile_buckets``) add bucket by bucket."""
+    """A sum; per-bucket counts (``grammar_compile_buckets``, ``token_budget_log2_counts``) add bucket
+    by bucket."""
     if values and isinstance(values[0], list):
         return [sum(column) for column in itertools.zip_longest(*values, fillvalue=0)]
     return sum(values)

@@ -40,6 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from evenflow.protocol import SchedulerStats
 
+from .budget_metrics import token_budget_histogram
 from .grammar_metrics import grammar_compile_histogram
 
 # Bucket bounds as vLLM uses them, so dashboards built for vLLM read these histograms the same way.
@@ -88,6 +89,22 @@ ENGINE_METRICS: list[EngineMetric] = [
                  lambda e: e.worker_forward_s),
     EngineMetric("evenflow:worker_idle_seconds_total", "counter",
                  "Seconds the workers waited on the engine-core while it had work.", lambda e: e.worker_idle_s),
+    # The adaptive budget (--target-itl-ms; all 0 with a fixed budget). Its histogram: budget_metrics.py.
+    EngineMetric("evenflow:target_itl_seconds", "gauge", "Step-time target of the adaptive budget (0: fixed budget).",
+                 lambda e: e.target_itl_s),
+    EngineMetric("evenflow:token_budget", "gauge", "Token budget the adaptive budget chose for the last step.",
+                 lambda e: e.token_budget),
+    EngineMetric("evenflow:step_time_predicted_seconds_total", "counter",
+                 "Predicted time of the steps with decodes that the adaptive budget planned.",
+                 lambda e: e.step_predicted_s),
+    EngineMetric("evenflow:step_time_measured_seconds_total", "counter", "Measured time of the same steps.",
+                 lambda e: e.step_measured_s),
+    EngineMetric("evenflow:target_steps_total", "counter", "Steps with decodes that the adaptive budget planned.",
+                 lambda e: e.num_controlled_steps),
+    EngineMetric("evenflow:target_steps_within_total", "counter", "Of those, steps whose measured time met the target.",
+                 lambda e: e.num_steps_within_target),
+    EngineMetric("evenflow:target_steps_within_ratio", "gauge", "Share of planned steps whose time met the target.",
+                 lambda e: e.num_steps_within_target / e.num_controlled_steps if e.num_controlled_steps else 0.0),
     EngineMetric("evenflow:grammar_cache_hits_total", "counter",
                  "Structured output requests whose grammar was already compiled or compiling.",
                  lambda e: e.grammar_cache_hits),
@@ -284,6 +301,7 @@ class _SnapshotCollector:
         for position, count in enumerate(engine.spec_decode_num_accepted_tokens_per_pos):
             per_pos.add_metric([self.model_name, str(position)], count)
         yield per_pos
+        yield token_budget_histogram(engine, labels, values)
         for name, help_text in COUNTERS.items():
             counter = CounterMetricFamily(name, help_text, labels=labels)
             counter.add_metric(values, s.counters.get(name, 0.0))

@@ -328,6 +328,18 @@ class SchedulerStats(Struct, array_like=True):
     grammar_compile_buckets: list[int] = []
     grammar_compile_s: float = 0.0
     grammar_cache_hits: int = 0
+    # --target-itl-ms (all 0 when off): the step-time target, the last step's chosen token budget
+    # (its decodes + the prefill allowed beside them), per-bucket counts of chosen budgets (bucket i:
+    # budgets in (2**(i-1), 2**i]) and their sum, and over steps that carried decodes: predicted and measured
+    # seconds summed, steps, steps whose measured time was within the target.
+    target_itl_s: float = 0.0
+    token_budget: int = 0
+    token_budget_log2_counts: list[int] = []
+    token_budget_sum: int = 0
+    step_predicted_s: float = 0.0
+    step_measured_s: float = 0.0
+    num_controlled_steps: int = 0
+    num_steps_within_target: int = 0
     # Speculative decoding, cumulative (vLLM's spec_decode_* counters).
     spec_decode_num_drafts: int = 0  # (request, step) pairs that verified at least one draft
     spec_decode_num_draft_tokens: int = 0

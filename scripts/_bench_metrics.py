@@ -27,6 +27,10 @@ STEPS = ("num_steps_total", "engine_steps_total", "iteration_tokens_total_count"
 STEP_TOKENS = ("iteration_tokens_total_sum", "scheduled_tokens_total")
 # Seconds the model spent in forward passes (for a busy fraction), where the engine exposes it.
 BUSY_SECONDS = ("worker_forward_seconds_total", "model_forward_seconds_total", "model_forward_time_seconds_sum")
+# evenflow's adaptive budget (--target-itl-ms).
+BUDGET_SUM, BUDGET_COUNT = ("token_budget_tokens_sum",), ("token_budget_tokens_count",)
+TARGET_STEPS, TARGET_WITHIN = ("target_steps_total",), ("target_steps_within_total",)
+PREDICTED_S, MEASURED_S = ("step_time_predicted_seconds_total",), ("step_time_measured_seconds_total",)
 
 
 @dataclass
@@ -57,6 +61,9 @@ class EngineNumbers:
     steps: float | None
     tokens_per_step: float | None
     busy_fraction: float | None
+    mean_token_budget: float | None = None  # the adaptive budget's choices
+    within_target_share: float | None = None  # of its planned steps, measured within the target
+    measured_over_predicted: float | None = None
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -159,6 +166,11 @@ def engine_numbers(
         step_tokens = gen + prompt
     busy = delta(BUSY_SECONDS)
     elapsed = (after.time_s - before.time_s) if (before and after) else None
+
+    def ratio(num: tuple[str, ...], den: tuple[str, ...]) -> float | None:
+        a, b = delta(num), delta(den)
+        return a / b if a is not None and b else None
+
     return EngineNumbers(
         preemptions=delta(PREEMPTIONS),
         prefix_cache_hits=hits,
@@ -170,4 +182,7 @@ def engine_numbers(
         steps=steps,
         tokens_per_step=(step_tokens / steps) if (step_tokens is not None and steps) else None,
         busy_fraction=(busy / elapsed) if (busy is not None and elapsed) else None,
+        mean_token_budget=ratio(BUDGET_SUM, BUDGET_COUNT),
+        within_target_share=ratio(TARGET_WITHIN, TARGET_STEPS),
+        measured_over_predicted=ratio(MEASURED_S, PREDICTED_S),
     )

@@ -10,7 +10,8 @@ from pathlib import Path
 class CurvePoint:
     """One budget's numbers, in the units the plot shows (ms, tokens/s, tokens/step, fraction)."""
 
-    label: str  # "256" or "unchunked"
+    label: str  # "256", "unchunked" or "target 30 ms"
+    adaptive: bool  # --target-itl-ms: drawn as stars, not joined to the fixed budgets' curve
     ttft_p50: float
     ttft_p99: float
     itl_p99: float
@@ -37,12 +38,16 @@ def plot_budget_curves(points: list[CurvePoint], title: str, ttft_of: str, itl_o
 
     def panel(ax, series, ylabel: str, title_text: str, log: bool = False) -> None:  # type: ignore[no-untyped-def]
         for name, ys, style in series:
-            xs = [xi for xi, y in zip(x, ys) if y is not None]
-            vals = [y for y in ys if y is not None]
-            if vals:
-                ax.plot(xs, vals, style, label=name)
+            fixed = [(xi, y) for xi, y, p in zip(x, ys, points) if y is not None and not p.adaptive]
+            adaptive = [(xi, y) for xi, y, p in zip(x, ys, points) if y is not None and p.adaptive]
+            color = None
+            if fixed:
+                color = ax.plot([f[0] for f in fixed], [f[1] for f in fixed], style, label=name)[0].get_color()
+            if adaptive:
+                ax.plot([a[0] for a in adaptive], [a[1] for a in adaptive], "*", markersize=13, color=color,
+                        label=None if fixed else name)
         ax.set_xticks(x, labels, rotation=45)
-        ax.set_xlabel("max_num_batched_tokens")
+        ax.set_xlabel("max_num_batched_tokens (stars: --target-itl-ms)")
         ax.set_ylabel(ylabel)
         ax.set_title(title_text)
         if log:

@@ -40,9 +40,12 @@ class ServerConfig:
     dtype: str = "bfloat16"
     max_num_seqs: int | None = None
     extra_args: list[str] = field(default_factory=list)
+    target_itl_ms: float | None = None  # evenflow's adaptive budget; ``budget`` is then its upper bound
 
     @property
     def label(self) -> str:
+        if self.target_itl_ms is not None:
+            return f"target {self.target_itl_ms:g} ms"
         return "unchunked" if self.budget is None else str(self.budget)
 
     @property
@@ -93,6 +96,8 @@ def evenflow_argv(cfg: ServerConfig, port: int) -> list[str]:
     # Like vLLM, evenflow refuses a budget below max_num_seqs (each running request needs a token
     # of every step); cap the batch at the budget for small budgets.
     argv += ["--max-num-seqs", str(min(cfg.max_num_seqs or 256, cfg.effective_budget))]
+    if cfg.target_itl_ms is not None:
+        argv += ["--target-itl-ms", str(cfg.target_itl_ms)]
     return argv + cfg.extra_args
 
 

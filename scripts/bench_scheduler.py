@@ -2,7 +2,9 @@
 
 Workloads: N requests all decoding (N = 64, 256, 1024), and a mixed one where long prompts with a
 shared system prefix arrive while requests decode, so steps mix chunked prefills, prefix-cache
-hits and decodes. Sampled tokens are made up outside the timed region. "us/request" is the median over steps of
+hits and decodes; and the mixed one again with the adaptive budget on (``--target-itl-ms``), its
+step times made up by a linear function of the step's tokens and requests so the controller
+fits and chooses as it would in the engine. Sampled tokens are made up outside the timed region. "us/request" is the median over steps of
 (step time / requests in the step). On a shared machine, look at min and median: p99 mostly
 measures other processes taking the CPU.
 
@@ -18,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from evenflow.core.config import SchedulerConfig
+from evenflow.core.prefill_gate import PrefillGate
 from evenflow.core.request import Request
 from evenflow.core.scheduler import Scheduler
 from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
@@ -46,7 +49,9 @@ def fake_output(scheduler: Scheduler, output: SchedulerOutput, rng: random.Rando
     req_ids = list(output.num_scheduled_tokens)
     requests = scheduler.requests
     sampled = [[rng.randrange(1, 32000)] if requests[r].num_output_placeholders else [] for r in req_ids]
-    return ModelRunnerOutput(output.step_id, req_ids, sampled)
+    # A made-up step time for the adaptive budget to fit (2 ms + 20 us per token + 50 us per request).
+    seconds = 2e-3 + 20e-6 * output.total_num_scheduled_tokens + 50e-6 * len(req_ids)
+    return ModelRunnerOutput(output.step_id, req_ids, sampled, forward_s=seconds)
 
 
 def timed_step(scheduler: Scheduler, rng: random.Random) -> tuple[float, int]:
@@ -78,10 +83,10 @@ def bench_decodes(num_requests: int, num_steps: int) -> StepTimes:
     return StepTimes(f"{num_requests} decodes", list(times), list(counts))
 
 
-def bench_mixed(num_steps: int) -> StepTimes:
+def bench_mixed(num_steps: int, target_itl_ms: float | None = None) -> StepTimes:
     """128 decoders; a new 1-3k-token prompt (1k shared system prefix) every other step."""
     rng = random.Random(1)
-    config = SchedulerConfig(num_kv_blocks=40_000, max_model_len=8192)
+    config = SchedulerConfig(num_kv_blocks=40_000, max_model_len=8192, target_itl_ms=target_itl_ms)
     scheduler = Scheduler(config)
     system_prompt = [rng.randrange(1, 32000) for _ in range(1024)]
     next_id = 0
@@ -106,14 +111,49 @@ def bench_mixed(num_steps: int) -> StepTimes:
         counts.append(count)
     stats = scheduler.get_stats()
     hit_rate = stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1)
-    return StepTimes(f"mixed: prefill chunks, {hit_rate:.0%} hits", times, counts)
+    name = f"mixed: prefill chunks, {hit_rate:.0%} hits"
+    if target_itl_ms is not None:
+        name = f"mixed, --target-itl-ms {target_itl_ms:g}"
+    return StepTimes(name, times, counts)
+
+
+def bench_controller_cost(num_steps: int, num_requests: int, target_itl_ms: float) -> StepTimes:
+    """The adaptive budget's own work per step, alone: survey the running requests, choose the
+    allowance, record the step and fit its time (what ``--target-itl-ms`` adds to a step)."""
+    rng = random.Random(2)
+    config = SchedulerConfig(num_kv_blocks=num_requests * 64, max_num_seqs=num_requests,
+                             max_num_batched_tokens=max(2048, num_requests), max_model_len=4096,
+                             target_itl_ms=target_itl_ms)
+    scheduler = Scheduler(config)
+    for i in range(num_requests):
+        prompt = [rng.randrange(1, 32000) for _ in range(128)]
+        scheduler.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=100_000, ignore_eos=True)))
+    while any(r.num_output_tokens == 0 for r in scheduler.requests.values()):
+        timed_step(scheduler, rng)
+    controller = scheduler.budget_controller
+    assert controller is not None
+    times = []
+    for _ in range(num_steps):
+        output = scheduler.schedule()
+        mro = fake_output(scheduler, output, rng)
+        start = time.perf_counter()
+        gate = PrefillGate.for_step(config, 0, scheduler.running, 1, controller.prefill_allowance)
+        assert gate is not None
+        controller.record(output, gate)
+        controller.observe(output, mro)
+        times.append((time.perf_counter() - start) * 1e6)
+        scheduler.update_from_output(output, mro)
+    return StepTimes(f"controller alone, {num_requests} running", times, [num_requests] * num_steps)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=400, help="timed steps per workload")
+    parser.add_argument("--target-itl-ms", type=float, default=20.0, help="target of the adaptive-budget row")
     args = parser.parse_args()
     results = [bench_decodes(n, args.steps) for n in (64, 256, 1024)] + [bench_mixed(args.steps)]
+    results.append(bench_mixed(args.steps, target_itl_ms=args.target_itl_ms))
+    results += [bench_controller_cost(args.steps, n, args.target_itl_ms) for n in (64, 256, 1024)]
     print(
         "| workload                           | reqs/step | min us/step | median us/step | p99 us/step | us/request |"
     )

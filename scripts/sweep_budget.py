@@ -2,12 +2,17 @@
 """Sweep ``max_num_batched_tokens``: one server per budget, the same seeded workload on each.
 
 Draws the four curves of the budget (TTFT p50/p99, ITL p99/max, throughput, tokens per step and
-model-busy fraction) as one PNG and prints a table; ``--capacity`` adds, per budget, the highest
+model-busy fraction) as one PNG and prints a table; ``--targets`` adds evenflow's adaptive budget
+(``--target-itl-ms``, the budget then an upper bound of max_model_len), one run per target, drawn
+as stars on the same figure; ``--capacity`` adds, per budget, the highest
 Poisson rate that keeps P99 ITL and P99 TTFT under ``--slo-itl-ms`` / ``--slo-ttft-ms``. The script
 starts and stops each server itself on a free 127.0.0.1 port, one at a time.
 
     python scripts/sweep_budget.py --model-dir /tmp/small --budgets 64,128,256,512,1024,2048,unchunked \\
         --workload interference --duration 40 --out-dir bench_results/sweep
+
+    python scripts/sweep_budget.py --model-dir /tmp/small --budgets 32,64,unchunked --targets 150 \\
+        --workload interference --duration 40 --out-dir bench_results/sweep_adaptive
 
     python scripts/sweep_budget.py --model-dir /tmp/small --budgets 256,unchunked --capacity \\
         --slo-itl-ms 100 --slo-ttft-ms 3000 --capacity-duration 30 --out-dir bench_results/capacity
@@ -16,6 +21,7 @@ starts and stops each server itself on a free 127.0.0.1 port, one at a time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,9 +60,11 @@ class SweepPoint:
     error: str = ""
 
 
-def measure_budget(args: argparse.Namespace, budget: int | None, vocab: int) -> SweepPoint:
-    """Start the server for ``budget``, run the workload (and the capacity search), stop it."""
-    cfg = server_config(args, budget)
+def measure_budget(args: argparse.Namespace, budget: int | None, vocab: int,
+                   target_itl_ms: float | None = None) -> SweepPoint:
+    """Start the server for ``budget`` (or ``target_itl_ms``), run the workload (and the capacity
+    search), stop it."""
+    cfg = dataclasses.replace(server_config(args, budget), target_itl_ms=target_itl_ms)
     spec = server_spec(args, args.engine, cfg)
     print(f"\n=== {args.engine} budget {cfg.label}: {' '.join(spec.argv)}", flush=True)
     try:
@@ -99,7 +107,7 @@ def curve_point(p: SweepPoint, ttft_group: str, itl_group: str) -> CurvePoint | 
     g = p.stats.groups
     ttft, itl, total = g.get(ttft_group, g["all"]), g.get(itl_group, g["all"]), g["all"]
     return CurvePoint(
-        p.label, ttft.ttft.p50, ttft.ttft.p99, itl.itl.p99, itl.itl.max, total.total_throughput,
+        p.label, p.label.startswith("target"), ttft.ttft.p50, ttft.ttft.p99, itl.itl.p99, itl.itl.max, total.total_throughput,
         total.output_throughput, p.engine.tokens_per_step, p.engine.busy_fraction,
         p.capacity.rate if p.capacity else None,
     )
@@ -132,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     add_workload_args(parser)
     g = parser.add_argument_group("sweep")
     g.add_argument("--budgets", default="64,128,256,512,1024,2048,4096,8192,unchunked")
+    g.add_argument("--targets", default="", help="comma list of --target-itl-ms values: adaptive runs (evenflow)")
+    g.add_argument("--reverse", action="store_true", help="run in reverse order (alternate rounds with it)")
     g.add_argument("--engine", choices=["evenflow", "vllm"], default="evenflow")
     g.add_argument("--out-dir", type=Path, default=Path("bench_results/sweep"))
     g.add_argument("--capacity", action="store_true", help="also search each budget's capacity")
@@ -148,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     ttft_group = "long" if args.workload == "interference" else "all"
     itl_group = "steady" if args.workload == "interference" else "all"
 
-    points = [measure_budget(args, budget, vocab) for budget in parse_budgets(args.budgets)]
+    runs: list[tuple[int | None, float | None]] = [(budget, None) for budget in parse_budgets(args.budgets)]
+    runs += [(None, float(t)) for t in args.targets.split(",") if t.strip()]
+    points = [measure_budget(args, budget, vocab, target) for budget, target in runs[:: -1 if args.reverse else 1]]
 
     table = summary_table(points, ttft_group, itl_group)
     print("\n" + table)

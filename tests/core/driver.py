@@ -8,6 +8,7 @@ applied.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from evenflow.core.request import Request, RequestStatus
@@ -73,9 +74,11 @@ def check_invariants(scheduler: Scheduler, output: SchedulerOutput) -> None:
 
 
 def run_workload(
-    scheduler: Scheduler, plan: list[PlannedRequest], max_in_flight: int = 1, max_steps: int = 20_000
+    scheduler: Scheduler, plan: list[PlannedRequest], max_in_flight: int = 1, max_steps: int = 20_000,
+    step_seconds: Callable[[SchedulerOutput], float] | None = None,
 ) -> RunResult:
-    """Run every planned request to the end; return tokens and finish reasons per request."""
+    """Run every planned request to the end; return tokens and finish reasons per request.
+    ``step_seconds``: the forward time each step reports (a synthetic machine), else 0."""
     config = scheduler.config
     spec = config.speculative_config
     worker = FakeWorker(config.num_kv_blocks, config.block_size, spec.num_speculative_tokens if spec else 0)
@@ -109,7 +112,10 @@ def run_workload(
         output = scheduler.schedule()
         check_invariants(scheduler, output)
         result.outputs.append(output)
-        pending.append((output, worker.execute(output)))
+        mro = worker.execute(output)
+        if step_seconds is not None:
+            mro.forward_s = step_seconds(output)
+        pending.append((output, mro))
         while len(pending) >= max_in_flight or (pending and not scheduler.has_unfinished_requests()):
             collect(scheduler.update_from_output(*pending.pop(0)))
         step += 1

@@ -28,6 +28,14 @@ def test_defaults_and_flags(model: str) -> None:
     assert "max_num_batched_tokens" in cfg.describe()
 
 
+def test_adaptive_budget_and_partial_prefill_flags(model: str) -> None:
+    cfg = config_from_args(["--model", model])
+    assert (cfg.target_itl_ms, cfg.max_num_partial_prefills, cfg.max_long_partial_prefills) == (None, 1, 1)
+    cfg = config_from_args(["--model", model, "--target-itl-ms", "40", "--max-num-partial-prefills", "4",
+                            "--max-long-partial-prefills", "2"])
+    assert (cfg.target_itl_ms, cfg.max_num_partial_prefills, cfg.max_long_partial_prefills) == (40.0, 4, 2)
+
+
 def test_max_num_seqs_defaults_to_the_budget_when_smaller(model: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="evenflow.core.engine_config"):
         cfg = config_from_args(["--model", model, "--max-num-batched-tokens", "64"])
@@ -57,6 +65,8 @@ def test_parse_size() -> None:
     (["--block-size", "24"], "power of two"),
     (["--tensor-parallel-size", "0"], "tensor-parallel-size"),
     (["--long-prefill-token-threshold", "-1"], "long-prefill"),
+    (["--target-itl-ms", "0"], "--target-itl-ms"),
+    (["--max-num-partial-prefills", "2", "--max-long-partial-prefills", "3"], "--max-long-partial-prefills"),
     (["--max-model-len", "0"], "--max-model-len"),
     (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
 ])

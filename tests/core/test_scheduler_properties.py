@@ -7,6 +7,9 @@ invariants in ``driver.check_invariants`` must hold after every step, and no blo
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 from evenflow.core.config import SchedulerConfig
 from evenflow.core.scheduler import Scheduler
 from evenflow.protocol import SamplingParams, SpeculativeConfig
@@ -15,6 +18,12 @@ from hypothesis import strategies as st
 
 from .driver import PlannedRequest, run_workload
 from .fake_model import EOS_TOKEN_ID, VOCAB_SIZE, reference_generate
+from .synthetic_timing import SyntheticMachine
+
+# The same properties with the step's prefill gated: a fixed budget only (the default path), the
+# adaptive budget on a synthetic machine (targets from below a decode step to generous), and vLLM
+# V0's partial-prefill bounds.
+GATES = ["fixed", "target_itl", "partial_prefills"]
 
 
 @st.composite
@@ -65,8 +74,20 @@ def workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[PlannedRequest]]:
     return config, plan
 
 
+def gated(config: SchedulerConfig, gate: str, draw_index: int) -> SchedulerConfig:
+    """``config`` with the gate ``gate`` on; ``draw_index`` (drawn) picks its settings."""
+    if gate == "target_itl":
+        return dataclasses.replace(config, target_itl_ms=[0.5, 2.2, 3.0, 10.0][draw_index % 4])
+    if gate == "partial_prefills":
+        num_partial = 2 + draw_index % 2
+        return dataclasses.replace(config, max_num_partial_prefills=num_partial,
+                                   max_long_partial_prefills=1 + draw_index // 2 % num_partial)
+    return config
+
+
 def check_against_reference(config: SchedulerConfig, plan: list[PlannedRequest], max_in_flight: int) -> None:
-    result = run_workload(Scheduler(config), plan, max_in_flight=max_in_flight)
+    step_seconds = SyntheticMachine().step_seconds if config.target_itl_ms else None
+    result = run_workload(Scheduler(config), plan, max_in_flight=max_in_flight, step_seconds=step_seconds)
     for planned in plan:
         expected = reference_generate(planned.prompt, planned.params, (EOS_TOKEN_ID,), config.max_model_len)
         got = result.tokens.get(planned.request_id, [])
@@ -77,18 +98,24 @@ def check_against_reference(config: SchedulerConfig, plan: list[PlannedRequest],
             assert (got, reason) == (expected.token_ids, expected.finish_reason), planned.request_id
 
 
+@pytest.mark.parametrize("gate", GATES)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
-def test_random_workloads_match_reference(workload: tuple[SchedulerConfig, list[PlannedRequest]]) -> None:
+@given(workload=workloads(), draw_index=st.integers(0, 7))
+def test_random_workloads_match_reference(
+    gate: str, workload: tuple[SchedulerConfig, list[PlannedRequest]], draw_index: int
+) -> None:
     config, plan = workload
-    check_against_reference(config, plan, max_in_flight=1)
+    check_against_reference(gated(config, gate, draw_index), plan, max_in_flight=1)
 
 
+@pytest.mark.parametrize("gate", GATES)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
-def test_random_workloads_two_steps_in_flight(workload: tuple[SchedulerConfig, list[PlannedRequest]]) -> None:
+@given(workload=workloads(), draw_index=st.integers(0, 7))
+def test_random_workloads_two_steps_in_flight(
+    gate: str, workload: tuple[SchedulerConfig, list[PlannedRequest]], draw_index: int
+) -> None:
     config, plan = workload
-    check_against_reference(config, plan, max_in_flight=2)
+    check_against_reference(gated(config, gate, draw_index), plan, max_in_flight=2)
 
 
 @st.composite

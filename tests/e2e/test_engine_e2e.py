@@ -83,6 +83,9 @@ def test_greedy_matches_transformers_with_overlap(engine: EngineProcess, referen
                  id="no-overlap-preempting"),
     pytest.param(("--tensor-parallel-size", "2", "--max-model-len", "128", "--num-kv-blocks", "10"),
                  id="tp2-overlap-preempting"),
+    # The adaptive budget and the partial-prefill bounds change which tokens run when, never which come out.
+    pytest.param(("--target-itl-ms", "3", "--max-num-partial-prefills", "2", "--max-long-partial-prefills", "1",
+                  "--max-model-len", "128", "--num-kv-blocks", "10"), id="adaptive-budget-partial-prefills-preempting"),
 ])
 def test_greedy_matches_transformers_other_engines(tiny_llama: Path, tmp_path: Path, references: list[list[int]],
                                                    flags: tuple[str, ...]) -> None:
@@ -95,6 +98,9 @@ def test_greedy_matches_transformers_other_engines(tiny_llama: Path, tmp_path: P
             assert outputs == references
             # 10 blocks hold 160 tokens; four running requests need 17 blocks: some were preempted.
             assert stats.num_preemptions > 0
+            adaptive = "--target-itl-ms" in flags  # then every step had a budget chosen for it
+            assert (stats.target_itl_s > 0) == adaptive
+            assert sum(stats.token_budget_log2_counts) >= (stats.num_steps if adaptive else 0)
 
         asyncio.run(main())
     finally:

@@ -88,6 +88,12 @@ def test_sum_stats_adds_counts_and_averages_usage() -> None:
     assert abs(total.kv_cache_usage - 0.3) < 1e-9
 
 
+def test_sum_stats_adds_the_adaptive_budget_histograms_bucket_by_bucket() -> None:
+    total = sum_stats([SchedulerStats(target_itl_s=0.05, token_budget_log2_counts=[0, 2, 1]),
+                       SchedulerStats(target_itl_s=0.05, token_budget_log2_counts=[1, 1])])
+    assert total.token_budget_log2_counts == [1, 3, 1] and total.target_itl_s == 0.05
+
+
 def test_metrics_label_each_engine_and_keep_the_total() -> None:
     m = FrontendMetrics("demo")
     per = {"0": SchedulerStats(num_running=2), "1": SchedulerStats(num_running=3)}

@@ -1,0 +1,28 @@
+"""A made-up machine for the budget controller: a step's time as a known function of what it holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from evenflow.protocol import SchedulerOutput
+
+
+@dataclass
+class SyntheticMachine:
+    """seconds = fixed + per_token * tokens + per_pair * (query, key) pairs + per_request * requests,
+    times ``slowdown`` (another process taking a core)."""
+
+    fixed: float = 2e-3
+    per_token: float = 20e-6
+    per_pair: float = 2e-9
+    per_request: float = 50e-6
+    slowdown: float = 1.0
+
+    def step_seconds(self, output: SchedulerOutput) -> float:
+        computed = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+        computed.update((cached.req_id, cached.num_computed_tokens) for cached in output.scheduled_cached_reqs)
+        pairs = sum(n * (computed[req_id] + (n + 1) / 2) for req_id, n in output.num_scheduled_tokens.items())
+        tokens = output.total_num_scheduled_tokens
+        requests = len(output.num_scheduled_tokens)
+        seconds = self.fixed + self.per_token * tokens + self.per_pair * pairs + self.per_request * requests
+        return seconds * self.slowdown

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 import zmq
 
 from evenflow.protocol import (
-    ERR_DUPLICATE_ID, ERR_ENGINE_SHUTDOWN, ERR_INVALID_REQUEST, ERR_WORKER_DIED, PROTOCOL_VERSION, Abort, AddRequest, Error,
+    ERR_DUPLICATE_ID, ERR_ENGINE_SHUTDOWN, ERR_INVALID_REQUEST, ERR_OVERLOADED, ERR_REQUEST_TIMEOUT, ERR_WORKER_DIED, PROTOCOL_VERSION, Abort, AddRequest, Error,
     ModelRunnerOutput, Outputs, Ready, RequestOutput, SchedulerOutput, SchedulerStats, UtilityCall,
     UtilityResult, WorkerConfig,
 )
 
+from .admission import AdmissionLimits
 from .config import SchedulerConfig
+from .deadlines import Deadlines, check_timeout
 from .engine_config import EngineConfig
 from .frontend_link import ClientGone, ClientMessage, FrontendLink
 from .model_info import ModelInfo
@@ -64,6 +66,8 @@ class EngineCore:
         self._pending_preempted: list[str] = []
         self._was_idle = True
         self._times = StepTiming()
+        self._admission = AdmissionLimits(cfg.max_num_queued_reqs, cfg.max_num_queued_tokens)
+        self._deadlines = Deadlines()
         self.workers = WorkerGroup(self._ctx, self._worker_template(), cfg.worker_start_timeout)
         self.scheduler: Scheduler | None = None
         self.link: FrontendLink | None = None
@@ -123,6 +127,8 @@ class EngineCore:
                 # it cannot run yet (e.g. too big for free blocks): only an input can change that.
                 busy = bool(self._in_flight) or (progressed and self.scheduler.has_unfinished_requests())
                 self._take_inputs(block=not busy)
+                if self._deadlines:
+                    self._expire(time.monotonic())
                 progressed = self._step()
             self._shutdown_gracefully(self._stop_reason)
             return 0
@@ -235,14 +241,43 @@ class EngineCore:
             link.send(identity, Error(ERR_DUPLICATE_ID, f"request id {msg.request_id!r} is already live",
                                       msg.request_id))
             return
+        sched = self.scheduler
+        assert sched is not None
+        problem = check_timeout(msg.timeout_s)
+        if problem is not None:
+            link.send(identity, Error(ERR_INVALID_REQUEST, problem, msg.request_id))
+            return
+        refusal = self._admission.refusal(sched.requests.values(), len(sched.requests), len(msg.prompt_token_ids))
+        if refusal is not None:
+            link.send(identity, Error(ERR_OVERLOADED, refusal, msg.request_id))
+            return
         try:
             request = Request(eid, msg.prompt_token_ids, msg.sampling_params, self.info.eos_token_ids,
                               arrival_time=msg.arrival_time or None, priority=msg.priority)
-            self.scheduler.add_request(request)  # type: ignore[union-attr]
+            sched.add_request(request)
         except ValueError as e:  # a check the IO thread does not know about: refuse this one request
             link.send(identity, Error(ERR_INVALID_REQUEST, str(e), msg.request_id))
             return
         self._router.add(eid, identity, msg.request_id)
+        timeout_s = msg.timeout_s or self.cfg.request_timeout
+        if timeout_s > 0:
+            self._deadlines.add(request, time.monotonic(), timeout_s)
+
+    def _expire(self, now: float) -> None:
+        """Abort every live request past its deadline (blocks freed at once); tell its client why."""
+        sched = self.scheduler
+        assert sched is not None and self.link is not None
+        for request, timeout_s in self._deadlines.pop_expired(now):
+            eid = request.request_id
+            if sched.requests.get(eid) is not request:
+                continue  # finished (or a new request reusing its id)
+            sched.abort_requests([eid])
+            owner = self._router.pop(eid)
+            if owner is not None:
+                identity, client_id = owner
+                self.link.send(identity, Error(
+                    ERR_REQUEST_TIMEOUT, f"request {client_id!r} exceeded its deadline of {timeout_s:g} s "
+                    f"({request.num_output_tokens} tokens generated) and was aborted", client_id))
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         if call.method == "get_stats":

@@ -46,6 +46,10 @@ class EngineConfig:
     worker_start_timeout: float = 600.0
     client_timeout: float = 3.0  # a frontend silent this long is dropped and its requests aborted
     worker_threads: int | None = None
+    # Reliability (admission limits, deadlines): None / 0 = off.
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    request_timeout: float = 0.0
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid value or combination."""
@@ -78,6 +82,11 @@ class EngineConfig:
             raise ConfigError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
         if self.worker_start_timeout <= 0 or self.client_timeout <= 0:
             raise ConfigError("--worker-start-timeout and --client-timeout must be positive")
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not (0.0 <= self.request_timeout < float("inf")):
+            raise ConfigError(f"--request-timeout must be >= 0 (0: none), got {self.request_timeout}")
         if not (Path(self.model).expanduser() / "config.json").is_file():
             raise ConfigError(f"--model {self.model!r} is not a folder with a config.json")
 
@@ -137,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--worker-threads", type=int, default=None,
       help="torch threads per worker for every step (default on CPU: a step estimated to take 15 ms or more "
            "on one thread uses every core, a shorter one leaves one free; divided by tensor-parallel-size)")
+    a("--max-num-queued-reqs", type=int, default=None,
+      help="refuse new requests (overloaded; HTTP 503) while the engine holds this many (waiting + running)")
+    a("--max-num-queued-tokens", type=int, default=None,
+      help="refuse a new request (overloaded; HTTP 503) when its prompt would bring the prompt tokens not yet "
+           "computed over this")
+    a("--request-timeout", type=float, default=d.request_timeout,
+      help="seconds after which a request is aborted with request_timeout (0: none); a request's own "
+           "timeout (X-Request-Timeout header, AddRequest.timeout_s) overrides it")
     return p
 
 

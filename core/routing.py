@@ -30,6 +30,13 @@ class RequestRouter:
         self._live[engine_id] = (identity, request_id)
         self._by_client.setdefault(identity, set()).add(engine_id)
 
+    def pop(self, engine_id: str) -> tuple[bytes, str] | None:
+        """Forget one request; return (identity, client's id) of its owner, or None if unknown."""
+        route = self._live.pop(engine_id, None)
+        if route is not None:
+            self._by_client[route[0]].discard(engine_id)
+        return route
+
     def drop_client(self, identity: bytes) -> set[str]:
         """Forget a client; return the engine ids of its live requests (to abort)."""
         ids = self._by_client.pop(identity, set())

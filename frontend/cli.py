@@ -16,13 +16,18 @@ import os
 import sys
 from typing import Sequence
 
+from .api.context import DEFAULT_MAX_BODY_BYTES
 from .api.server import ServerConfig, build_app, connect_context, reuseport_socket, serve_app
 
 
 def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--api-key", default=os.environ.get("EVENFLOW_API_KEY"), help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", default=os.environ.get("EVENFLOW_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                        "(default: $EVENFLOW_API_KEY; prefer the variable: flags show in `ps`)")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger HTTP bodies are refused with 413 before being read whole")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the engine's)")
     p.add_argument("--chat-template", default=None, help="jinja2 chat template file (overrides the model's)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the engine's model folder)")
@@ -51,7 +56,7 @@ async def _run_frontend(args: argparse.Namespace) -> None:
         engine_address=args.engine, api_key=args.api_key, served_model_name=args.served_model_name,
         chat_template=args.chat_template, tokenizer=args.tokenizer, log_stats=args.log_stats,
         connect_timeout=args.connect_timeout, frontend_name=args.frontend_name,
-        metrics_dir=os.environ.get("EVENFLOW_METRICS_DIR"),
+        metrics_dir=os.environ.get("EVENFLOW_METRICS_DIR"), max_body_bytes=args.max_request_body_bytes,
     )
     log = logging.getLogger("evenflow.frontend")
     ctx = await connect_context(config)

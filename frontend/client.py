@@ -115,8 +115,11 @@ class EngineClient:
         return self.ready
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       priority: int = 0, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, arrival_time: float | None = None,
+                       timeout_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Submit a request; yield its deltas until one has ``finish_reason`` set.
+
+        ``timeout_s`` > 0: the engine aborts the request after that long (``request_timeout``).
 
         Raises EngineError for an Error about this request, a request too large for the engine's
         frame limit (``invalid_request``), or a fatal one. Stopping early (``aclose()``, ``break``,
@@ -129,7 +132,8 @@ class EngineClient:
         if request_id in self._streams:
             raise EngineError(ERR_DUPLICATE_ID, f"request id {request_id!r} is already live", request_id)
         frame = self._codec.encode(AddRequest(request_id, list(prompt_token_ids), sampling_params, priority,
-                                              arrival_time if arrival_time is not None else time.time()))
+                                              arrival_time if arrival_time is not None else time.time(),
+                                              timeout_s))
         limit = self.ready.max_frame_bytes
         if 0 < limit < len(frame):
             # The engine would refuse it with a bad_frame Error that carries no request id.

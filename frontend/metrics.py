@@ -44,6 +44,9 @@ COUNTERS: dict[str, str] = {
     "evenflow:generation_tokens_total": "Generated tokens delivered.",
 }
 
+# Reasons always exported (at 0 until they happen): the engine's admission limits, and no engine.
+REJECT_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens", "engine_unavailable")
+
 
 class HistogramData(Struct, array_like=True):
     """Per-bucket (not cumulative) counts; the last bucket is +Inf."""
@@ -81,6 +84,7 @@ class MetricsSnapshot(Struct):
     histograms: dict[str, HistogramData]
     engine: SchedulerStats | None = None
     engine_time: float = 0.0
+    rejected: dict[str, int] = {}  # refusal reason -> requests (evenflow:request_rejected_total)
 
 
 class RequestTimer:
@@ -104,6 +108,7 @@ class FrontendMetrics:
         self.frontend_name = frontend_name or f"frontend-{os.getpid()}"
         self.counters = {name: 0.0 for name in COUNTERS}
         self.finished: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}
         self.histograms = {name: HistogramData.empty(b) for name, (b, _) in HISTOGRAMS.items()}
         self.engine: SchedulerStats | None = None
         self.engine_time = 0.0
@@ -135,6 +140,9 @@ class FrontendMetrics:
         self.finished[reason] = self.finished.get(reason, 0) + 1
         self.histograms["evenflow:e2e_request_latency_seconds"].observe(now - timer.arrival)
 
+    def on_rejected(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
     def set_engine_stats(self, stats: SchedulerStats | None, when: float | None = None) -> None:
         """Record the engine's stats as of ``when`` (now); the same object again is not fresher."""
         if stats is not None and stats is not self.engine:
@@ -147,7 +155,7 @@ class FrontendMetrics:
         return MetricsSnapshot(
             self.frontend_name, time.time(), dict(self.counters), dict(self.finished),
             {k: HistogramData(list(h.bounds), list(h.counts), h.sum, h.count) for k, h in self.histograms.items()},
-            self.engine, self.engine_time,
+            self.engine, self.engine_time, dict(self.rejected),
         )
 
     def write_snapshot(self) -> None:
@@ -189,6 +197,8 @@ def merge_snapshots(snaps: list[MetricsSnapshot]) -> MetricsSnapshot:
             merged.counters[k] = merged.counters.get(k, 0.0) + v
         for k, v in s.finished.items():
             merged.finished[k] = merged.finished.get(k, 0) + v
+        for k, v in s.rejected.items():
+            merged.rejected[k] = merged.rejected.get(k, 0) + v
         for k, h in s.histograms.items():
             if k in merged.histograms:
                 merged.histograms[k].add(h)
@@ -232,6 +242,10 @@ def render_prometheus(s: MetricsSnapshot, model_name: str) -> str:
     out.append(f"# HELP {name} Finished requests by finish reason.\n# TYPE {name} counter")
     for reason in sorted(set(s.finished) | {"stop", "length", "abort"}):
         out.append(f'{name}{{{label},finished_reason="{_escape(reason)}"}} {s.finished.get(reason, 0)}')
+    name = "evenflow:request_rejected_total"
+    out.append(f"# HELP {name} Requests refused before admission (HTTP 503), by reason.\n# TYPE {name} counter")
+    for reason in sorted(set(s.rejected) | set(REJECT_REASONS)):
+        out.append(f'{name}{{{label},reason="{_escape(reason)}"}} {s.rejected.get(reason, 0)}')
     for name, (_, help_text) in HISTOGRAMS.items():
         h = s.histograms[name]
         out.append(f"# HELP {name} {help_text}\n# TYPE {name} histogram")

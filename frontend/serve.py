@@ -85,6 +85,8 @@ def serve_main(argv: Sequence[str]) -> int:
     reserved = _reserve_port(args.host, args.port)
     port = reserved.getsockname()[1]
     env = dict(os.environ, EVENFLOW_METRICS_DIR=metrics_dir)
+    if args.api_key:  # through the environment: a command line is visible to every user in `ps`
+        env["EVENFLOW_API_KEY"] = args.api_key
     py = sys.executable
     engine_cmd = [py, "-m", "evenflow.core.cli", "--model", model, "--listen", engine_addr, *engine_flags]
     if served_name:
@@ -93,10 +95,10 @@ def serve_main(argv: Sequence[str]) -> int:
     for i in range(args.frontends):
         cmd = [py, "-m", "evenflow.frontend.cli", "--engine", engine_addr, "--host", args.host, "--port", str(port),
                "--frontend-name", f"frontend-{i}"]
-        for flag in ("api_key", "served_model_name", "chat_template", "tokenizer"):
+        for flag in ("served_model_name", "chat_template", "tokenizer", "max_request_body_bytes"):
             value = getattr(args, flag)
             if value:
-                cmd += ["--" + flag.replace("_", "-"), value]
+                cmd += ["--" + flag.replace("_", "-"), str(value)]
         if i > 0:
             cmd.append("--no-log-stats")  # one throughput log line per interval, not N copies
         procs.append(subprocess.Popen(cmd, env=env))

@@ -26,7 +26,7 @@ from ..metrics import FrontendMetrics, stats_log_line
 from ..tokenizer import Tokenizer
 from .chat import create_chat_completion
 from .completions import create_completion
-from .context import ServingContext, decode_body
+from .context import DEFAULT_MAX_BODY_BYTES, ServingContext, decode_body, read_body, request_timeout
 from .errors import APIError, bad_request
 from .openai import DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, encode_json
 from .prepare import CHARS_PER_TOKEN, chat_prompt_async, off_loop_if_large
@@ -51,6 +51,7 @@ class ServerConfig:
     log_stats: bool = True
     connect_timeout: float = 60.0
     frontend_name: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -79,6 +80,8 @@ def _endpoint(fn: Handler, auth: bool = True) -> Callable[[Request], Awaitable[A
                 _check_auth(ctx, request)
             return await fn(ctx, request)
         except APIError as e:
+            if e.rejected is not None:
+                ctx.metrics.on_rejected(e.rejected)
             return e.to_response()
         except ClientDisconnected:
             return Response(status_code=499)
@@ -90,11 +93,13 @@ def _endpoint(fn: Handler, auth: bool = True) -> Callable[[Request], Awaitable[A
 
 
 async def _completions(ctx: ServingContext, request: Request) -> Any:
-    return await create_completion(ctx, await request.body(), request.receive)
+    return await create_completion(ctx, await read_body(request, ctx.max_body_bytes), request.receive,
+                                   request_timeout(request.headers))
 
 
 async def _chat(ctx: ServingContext, request: Request) -> Any:
-    return await create_chat_completion(ctx, await request.body(), request.receive)
+    return await create_chat_completion(ctx, await read_body(request, ctx.max_body_bytes), request.receive,
+                                        request_timeout(request.headers))
 
 
 async def _models(ctx: ServingContext, request: Request) -> Response:
@@ -113,7 +118,7 @@ async def _health(ctx: ServingContext, request: Request) -> Response:
 
 
 async def _tokenize(ctx: ServingContext, request: Request) -> Response:
-    req: TokenizeRequest = decode_body(await request.body(), TokenizeRequest)
+    req: TokenizeRequest = decode_body(await read_body(request, ctx.max_body_bytes), TokenizeRequest)
     ctx.check_model(req.model)
     if req.messages is not None:
         ids = await chat_prompt_async(req, ctx.tokenizer, req.messages)
@@ -125,7 +130,7 @@ async def _tokenize(ctx: ServingContext, request: Request) -> Response:
 
 
 async def _detokenize(ctx: ServingContext, request: Request) -> Response:
-    req: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)
+    req: DetokenizeRequest = decode_body(await read_body(request, ctx.max_body_bytes), DetokenizeRequest)
     ctx.check_model(req.model)
     text = await off_loop_if_large(len(req.tokens) * CHARS_PER_TOKEN, _checked_decode, ctx.tokenizer, req.tokens)
     return _json(DetokenizeResponse(text))
@@ -179,7 +184,7 @@ async def connect_context(config: ServerConfig, client: Any = None) -> ServingCo
     name = config.served_model_name or ready.model_name
     metrics = FrontendMetrics(name, config.metrics_dir or os.environ.get("EVENFLOW_METRICS_DIR"), config.frontend_name)
     return ServingContext(client, tokenizer, name, ready.max_model_len, ready.vocab_size, metrics,
-                          api_key=config.api_key, model_root=ready.model_path)
+                          api_key=config.api_key, model_root=ready.model_path, max_body_bytes=config.max_body_bytes)
 
 
 def build_app(config: ServerConfig, context: Callable[[], Awaitable[ServingContext]] | None = None) -> Starlette:

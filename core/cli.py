@@ -11,6 +11,8 @@ from typing import Sequence
 
 import zmq
 
+from evenflow.protocol.lifeline import die_with_parent
+
 from .engine_config import ConfigError, build_parser, config_from_args
 from .model_info import read_model_info
 from .workers import WorkerFailure
@@ -18,6 +20,7 @@ from .workers import WorkerFailure
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one engine-core; returns its exit code (0 after SIGTERM/SIGINT, 1 on a failure)."""
+    die_with_parent()  # when a launcher asked (evenflow serve): SIGTERM, a graceful stop, if it dies
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s",
                         stream=sys.stderr)
     log = logging.getLogger("evenflow.core.cli")

@@ -16,6 +16,8 @@ import os
 import sys
 from typing import Sequence
 
+from evenflow.protocol.lifeline import die_with_parent
+
 from .api.context import DEFAULT_MAX_BODY_BYTES
 from .api.server import ServerConfig, build_app, connect_context, reuseport_socket, serve_app
 
@@ -77,6 +79,7 @@ async def _run_frontend(args: argparse.Namespace) -> None:
 def frontend_main(argv: Sequence[str] | None = None) -> int:
     """``evenflow-frontend``: serve HTTP against an engine-core until SIGINT/SIGTERM."""
     args = frontend_parser().parse_args(argv)
+    die_with_parent()  # when a launcher asked (evenflow serve): never outlive it
     _setup_logging(args.frontend_name or f"frontend-{os.getpid()}")
     import uvloop
 

@@ -20,6 +20,8 @@ import tempfile
 import time
 from typing import Sequence
 
+from evenflow.protocol.lifeline import child_env
+
 from .cli import add_frontend_flags
 
 DEMO_NAME = "demo"
@@ -84,7 +86,8 @@ def serve_main(argv: Sequence[str]) -> int:
     os.makedirs(metrics_dir)
     reserved = _reserve_port(args.host, args.port)
     port = reserved.getsockname()[1]
-    env = dict(os.environ, EVENFLOW_METRICS_DIR=metrics_dir)
+    # Children get SIGTERM if this launcher dies, even by SIGKILL (protocol/lifeline.py).
+    env = child_env(dict(os.environ, EVENFLOW_METRICS_DIR=metrics_dir))
     if args.api_key:  # through the environment: a command line is visible to every user in `ps`
         env["EVENFLOW_API_KEY"] = args.api_key
     py = sys.executable

@@ -31,6 +31,8 @@ from evenflow.protocol import (
     WorkerReady, WorkerShutdown,
 )
 
+from .fault_injection import FaultInjector
+
 log = logging.getLogger("evenflow.worker.process")
 
 _PARENT_POLL_S = 0.5
@@ -68,6 +70,7 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(EngineToWorker).decode
     runner = ModelRunner(cfg)
+    faults = FaultInjector()  # test-only; a no-op unless its variable is set
     try:
         num_blocks = runner.determine_num_kv_blocks()
         push.send(encode(WorkerReady(cfg.rank, num_blocks, runner.block_size, runner.attention_backend,
@@ -79,6 +82,7 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
             msg = decode(frame.buffer)
             if isinstance(msg, SchedulerOutput):
                 tracker.step_id = msg.step_id
+                faults.before_step()
                 out = runner.execute_model(msg)
                 if cfg.rank == 0:
                     if out is None:  # nothing to sample this step: still answer, the engine waits

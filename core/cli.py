@@ -11,6 +11,7 @@ from typing import Sequence
 
 import zmq
 
+from evenflow.protocol.curve import is_loopback
 from evenflow.protocol.lifeline import die_with_parent
 
 from .engine_config import ConfigError, build_parser, config_from_args
@@ -35,6 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"engine-core: error: {e}", file=sys.stderr)
         return 2
     log.info("settings:\n%s", cfg.describe())
+    if not is_loopback(cfg.listen) and cfg.curve_keys is None:
+        log.warning("--listen %s is reachable from other hosts WITHOUT authentication or encryption: anyone who "
+                    "can connect can submit requests (use --curve-keys DIR)", cfg.listen)
     log.info("model %s: %s, max_model_len %d, vocab %d, eos %s", info.model_name, info.architectures,
              info.max_model_len, info.vocab_size, info.eos_token_ids)
 

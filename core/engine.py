@@ -106,7 +106,7 @@ class EngineCore:
                       self.info.vocab_size, list(self.info.eos_token_ids), self.block_size, num_blocks,
                       self.cfg.max_num_batched_tokens, uuid.uuid4().hex[:12], self.cfg.max_frame_bytes)
         self.link = FrontendLink(self._ctx, self.cfg.listen, ready, max_frame_bytes=self.cfg.max_frame_bytes,
-                                 client_timeout=self.cfg.client_timeout)
+                                 client_timeout=self.cfg.client_timeout, curve_keys=self.cfg.curve_keys)
         self.link.start()
         log.info("workers ready: %s; %d KV blocks of %d tokens", readies, num_blocks, self.block_size)
         return ready

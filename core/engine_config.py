@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from evenflow.protocol import MAX_FRAME_BYTES
+from evenflow.protocol.curve import is_loopback
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7100"
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -50,6 +51,9 @@ class EngineConfig:
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
     request_timeout: float = 0.0
+    # Security of the frontend link: a non-loopback --listen must be asked for; CURVE keys folder.
+    allow_remote: bool = False
+    curve_keys: str | None = None
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid value or combination."""
@@ -87,6 +91,12 @@ class EngineConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not (0.0 <= self.request_timeout < float("inf")):
             raise ConfigError(f"--request-timeout must be >= 0 (0: none), got {self.request_timeout}")
+        if not is_loopback(self.listen) and not self.allow_remote:
+            raise ConfigError(f"--listen {self.listen} is not a loopback or ipc:// address: pass --allow-remote "
+                              f"if it is meant (and --curve-keys DIR to encrypt and authenticate the link)")
+        if self.curve_keys is not None and not (Path(self.curve_keys) / "engine.key_secret").is_file():
+            raise ConfigError(f"--curve-keys {self.curve_keys!r} has no engine.key_secret "
+                              f"(write the keys with `evenflow keygen DIR`)")
         if not (Path(self.model).expanduser() / "config.json").is_file():
             raise ConfigError(f"--model {self.model!r} is not a folder with a config.json")
 
@@ -154,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--request-timeout", type=float, default=d.request_timeout,
       help="seconds after which a request is aborted with request_timeout (0: none); a request's own "
            "timeout (X-Request-Timeout header, AddRequest.timeout_s) overrides it")
+    a("--allow-remote", action="store_true",
+      help="allow a --listen address that is not loopback or ipc:// (use --curve-keys with it)")
+    a("--curve-keys", default=None,
+      help="folder from `evenflow keygen DIR`: CURVE-encrypt the frontend link and serve only the frontends "
+           "whose public keys are in DIR/authorized_clients")
     return p
 
 

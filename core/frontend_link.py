@@ -30,6 +30,8 @@ from evenflow.protocol import (
     DecodeError, Error, FrontendToEngine, Heartbeat, Hello, Outputs, Ready, SchedulerStats,
 )
 
+from evenflow.protocol.curve import serve_curve
+
 from .validation import validate_add_request
 
 log = logging.getLogger("evenflow.core.frontend_link")
@@ -67,13 +69,14 @@ class FrontendLink:
     """ROUTER socket + IO/encoder threads. ``send``/``broadcast`` are safe from any thread."""
 
     def __init__(self, ctx: zmq.Context, address: str, ready: Ready, *, max_frame_bytes: int,
-                 client_timeout: float) -> None:
+                 client_timeout: float, curve_keys: str | None = None) -> None:
         self.inbox: queue.Queue[ClientMessage | ClientGone] = queue.Queue()
         self._ctx = ctx
         self._address = address
         self._ready = ready
         self._codec: Codec[FrontendToEngine] = Codec(FrontendToEngine, max_frame_bytes)
         self._client_timeout = client_timeout
+        self._curve_keys = curve_keys  # a key folder: CURVE-encrypt and authenticate (protocol/curve.py)
         self._outbox: queue.Queue[tuple[bytes | None, msgspec.Struct] | None] = queue.Queue()
         self._pipe_addr = f"inproc://frontend-out-{id(self)}"
         self._stats = SchedulerStats()
@@ -136,6 +139,7 @@ class FrontendLink:
     def _io_loop(self) -> None:
         router = self._ctx.socket(zmq.ROUTER)
         pipe = self._ctx.socket(zmq.PULL)
+        auth = None
         try:
             # Unroutable sends raise instead of vanishing: that is how a gone client is noticed.
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -144,11 +148,14 @@ class FrontendLink:
             router.setsockopt(zmq.LINGER, 1000)
             # A hard cap far above the decode limit, so a frame a bit too large still gets an Error.
             router.setsockopt(zmq.MAXMSGSIZE, 2 * self._codec.max_frame_bytes + (1 << 20))
+            auth = serve_curve(self._ctx, router, self._curve_keys) if self._curve_keys else None
             router.bind(self._address)
             pipe.bind(self._pipe_addr)
             monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         except BaseException as e:  # reported to start()'s caller
             self._bind_error = e
+            if auth is not None:
+                auth.stop()
             router.close(0)
             pipe.close(0)
             self._bound.set()
@@ -182,6 +189,8 @@ class FrontendLink:
             monitor.close(0)
             pipe.close(0)
             router.close()
+            if auth is not None:
+                auth.stop()
 
     # ----------------------------------------------------------------------------- IO helpers
 

@@ -52,6 +52,7 @@ class ServerConfig:
     connect_timeout: float = 60.0
     frontend_name: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    curve_keys: str | None = None
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -59,7 +60,7 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 
 def _check_auth(ctx: ServingContext, request: Request) -> None:
-    if ctx.api_key is None:
+    if not ctx.api_key:  # None or empty: no key configured
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
@@ -178,7 +179,8 @@ async def connect_context(config: ServerConfig, client: Any = None) -> ServingCo
     if client is None:
         from ..client import EngineClient
 
-        client = EngineClient(config.engine_address, client_name=config.frontend_name or f"frontend-{os.getpid()}")
+        client = EngineClient(config.engine_address, client_name=config.frontend_name or f"frontend-{os.getpid()}",
+                              curve_keys=config.curve_keys)
     ready = await client.connect(timeout=config.connect_timeout)
     tokenizer = Tokenizer.from_dir(config.tokenizer or ready.model_path, chat_template=config.chat_template)
     name = config.served_model_name or ready.model_name

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from .block_hash import BlockHash
+from .kv_events import KVEventLog
 
 
 class KVBlock:
@@ -87,6 +88,8 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
+        # Set by the engine-core to report stored/evicted hashes to prefix-aware routers.
+        self.events: KVEventLog | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -109,6 +112,8 @@ class BlockPool:
             block = self.free_queue.popleft()
             if block.block_hash is not None:
                 del self.cached_blocks[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             blocks.append(block)
@@ -134,10 +139,14 @@ class BlockPool:
             return  # an equal block is already shared; this one stays private and uncached
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash. Blocks in use keep their KV and owners; they just stop being shared."""
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True

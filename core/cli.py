@@ -13,6 +13,7 @@ import zmq
 
 from evenflow.protocol.curve import is_loopback
 from evenflow.protocol.lifeline import die_with_parent
+from evenflow.protocol.link_auth import read_secret
 
 from .engine_config import ConfigError, build_parser, config_from_args
 from .model_info import read_model_info
@@ -31,7 +32,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cfg.max_model_len is not None and cfg.max_model_len > info.max_model_len:
             raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's limit "
                               f"{info.max_model_len} (from {info.model_path}/config.json)")
-    except (ConfigError, ValueError) as e:
+        if cfg.nnodes > 1:
+            read_secret(cfg.dist_secret_file)  # missing or short: a usage error, before anything starts
+    except (ConfigError, ValueError, OSError) as e:
         build_parser().print_usage(sys.stderr)
         print(f"engine-core: error: {e}", file=sys.stderr)
         return 2
@@ -42,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("model %s: %s, max_model_len %d, vocab %d, eos %s", info.model_name, info.architectures,
              info.max_model_len, info.vocab_size, info.eos_token_ids)
 
+    if cfg.headless:
+        from .headless import run_headless
+
+        return run_headless(cfg, info)
     from .engine import EngineCore  # after flag errors, so `--help` and typos answer instantly
 
     engine = EngineCore(cfg, info)

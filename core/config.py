@@ -5,6 +5,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's online-serving default
+
+
+class ConfigError(ValueError):
+    """An invalid flag value or combination; the message says which and why."""
+
+
+def check_scheduler_limits(max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
+                           long_prefill_token_threshold: int, policy: str, max_model_len: int | None) -> None:
+    """The rules on the scheduler's knobs, shared by the command line and SchedulerConfig.
+
+    Raises ConfigError naming the flag; ``max_model_len=None`` means "the model's own limit" (not
+    known yet when the command line is checked).
+    """
+    limits = {"max-num-batched-tokens": max_num_batched_tokens, "max-num-seqs": max_num_seqs,
+              "block-size": block_size, "max-model-len": 1 if max_model_len is None else max_model_len}
+    for flag, value in limits.items():
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"--{flag} must be a positive integer, got {value!r}")
+    if block_size & (block_size - 1):
+        raise ConfigError(f"--block-size must be a power of two, got {block_size}")
+    if long_prefill_token_threshold < 0:
+        raise ConfigError(f"--long-prefill-token-threshold must be >= 0 (0 = off), got {long_prefill_token_threshold}")
+    if policy not in SCHEDULING_POLICIES:
+        raise ConfigError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
 
 
 @dataclass
@@ -17,7 +42,7 @@ class SchedulerConfig:
 
     num_kv_blocks: int
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int = 2048
     block_size: int = 16
     long_prefill_token_threshold: int = 0  # 0 = off; else the largest prefill chunk per step
@@ -25,22 +50,16 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad value or combination."""
-        for name in ("num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                f"long_prefill_token_threshold must be >= 0 (0 = off), got {self.long_prefill_token_threshold}"
-            )
-        if self.policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        """Raise ConfigError (a ValueError) naming the first bad value or combination."""
+        if not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        check_scheduler_limits(self.max_num_batched_tokens, self.max_num_seqs, self.block_size,
+                               self.long_prefill_token_threshold, self.policy, self.max_model_len)
         # A request that may grow to max_model_len must fit in the pool on its own; otherwise it
         # would preempt everybody and still never finish.
         blocks_per_max_len = -(-self.max_model_len // self.block_size)
         if self.num_kv_blocks < blocks_per_max_len:
-            raise ValueError(
+            raise ConfigError(
                 f"num_kv_blocks={self.num_kv_blocks} x block_size={self.block_size} holds "
                 f"{self.num_kv_blocks * self.block_size} tokens, fewer than max_model_len={self.max_model_len}: "
                 f"lower max_model_len or give the KV cache more memory"

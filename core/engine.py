@@ -31,12 +31,14 @@ from .config import SchedulerConfig
 from .deadlines import Deadlines, check_timeout
 from .engine_config import EngineConfig
 from .frontend_link import ClientGone, ClientMessage, FrontendLink
+from .kv_events import KVEventLog
 from .model_info import ModelInfo
 from .request import Request
 from .routing import RequestRouter
 from .step_timing import StepTiming
 from .scheduler import Scheduler
-from .workers import WorkerFailure, WorkerGroup
+from .multi_node import NodeLayout
+from .workers import WorkerFailure, WorkerGroup, worker_template
 
 log = logging.getLogger("evenflow.core.engine")
 
@@ -68,18 +70,14 @@ class EngineCore:
         self._times = StepTiming()
         self._admission = AdmissionLimits(cfg.max_num_queued_reqs, cfg.max_num_queued_tokens)
         self._deadlines = Deadlines()
-        self.workers = WorkerGroup(self._ctx, self._worker_template(), cfg.worker_start_timeout)
+        layout = NodeLayout.from_config(cfg) if cfg.nnodes > 1 else None  # ranks on several hosts
+        self.workers = WorkerGroup(self._ctx, self._worker_template(), cfg.worker_start_timeout, layout=layout)
         self.scheduler: Scheduler | None = None
         self.link: FrontendLink | None = None
+        self._kv_events: KVEventLog | None = None  # prefix-cache changes for routing frontends
 
     def _worker_template(self) -> WorkerConfig:
-        c = self.cfg
-        return WorkerConfig(
-            model=self.info.model_path, world_size=c.tensor_parallel_size, dtype=c.dtype, device=c.device,
-            seed=c.seed, block_size=c.block_size, max_model_len=self.max_model_len,
-            max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
-            attention_backend=c.attention_backend, kv_cache_memory=c.kv_cache_memory,
-            num_kv_blocks=c.num_kv_blocks, load_format=c.load_format, num_threads=c.worker_threads)
+        return worker_template(self.cfg, self.info.model_path, self.max_model_len)
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -102,9 +100,12 @@ class EngineCore:
         sched_cfg.validate()
         self.workers.init_kv_cache(num_blocks)
         self.scheduler = Scheduler(sched_cfg)
+        if self.cfg.enable_prefix_caching:
+            self._kv_events = self.scheduler.kv_cache_manager.pool.events = KVEventLog()
         ready = Ready(PROTOCOL_VERSION, self.info.model_name, self.info.model_path, self.max_model_len,
                       self.info.vocab_size, list(self.info.eos_token_ids), self.block_size, num_blocks,
-                      self.cfg.max_num_batched_tokens, uuid.uuid4().hex[:12], self.cfg.max_frame_bytes)
+                      self.cfg.max_num_batched_tokens, uuid.uuid4().hex[:12], self.cfg.max_frame_bytes,
+                      list(self.info.model_aliases))
         self.link = FrontendLink(self._ctx, self.cfg.listen, ready, max_frame_bytes=self.cfg.max_frame_bytes,
                                  client_timeout=self.cfg.client_timeout, curve_keys=self.cfg.curve_keys)
         self.link.start()
@@ -209,6 +210,13 @@ class EngineCore:
         now = time.time()
         for identity, outs in self._router.route(outputs).items():
             self.link.send(identity, Outputs(outs, stats, now))  # type: ignore[union-attr]
+        self._report_kv_events(stats, force=not self.scheduler.has_unfinished_requests())  # type: ignore[union-attr]
+
+    def _report_kv_events(self, stats: SchedulerStats, force: bool) -> None:
+        """Broadcast a batch of prefix-cache changes (stored/evicted hashes) to every frontend."""
+        events = self._kv_events.drain(force) if self._kv_events is not None else None
+        if events is not None:
+            self.link.broadcast(Outputs([], stats, time.time(), events))  # type: ignore[union-attr]
 
     # ----------------------------------------------------------------------------- inputs
 
@@ -218,6 +226,7 @@ class EngineCore:
             if ids:
                 self.scheduler.abort_requests(ids)  # type: ignore[union-attr]
                 log.info("aborted %d requests of gone client %d", len(ids), item.client_index)
+            self.link.gone_handled(item.identity)  # type: ignore[union-attr]
             return
         msg = item.msg
         if isinstance(msg, AddRequest):
@@ -283,7 +292,9 @@ class EngineCore:
         if call.method == "get_stats":
             return UtilityResult(call.call_id, True, self.stats())
         if call.method == "reset_prefix_cache":
-            return UtilityResult(call.call_id, True, self.scheduler.reset_prefix_cache())  # type: ignore[union-attr]
+            done = self.scheduler.reset_prefix_cache()  # type: ignore[union-attr]
+            self._report_kv_events(self.stats(), force=True)
+            return UtilityResult(call.call_id, True, done)
         return UtilityResult(call.call_id, False, None,
                              f"no utility method {call.method!r} "
                              f"(known: get_stats, reset_prefix_cache)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -11,13 +12,14 @@ from typing import Sequence
 from evenflow.protocol import MAX_FRAME_BYTES
 from evenflow.protocol.curve import is_loopback
 
+from .config import DEFAULT_MAX_NUM_SEQS, SCHEDULING_POLICIES, ConfigError, check_scheduler_limits
+
+__all__ = ["ConfigError", "EngineConfig", "build_parser", "config_from_args", "parse_size"]
+log = logging.getLogger("evenflow.core.engine_config")
+
 DEFAULT_LISTEN = "tcp://127.0.0.1:7100"
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
                "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
-
-
-class ConfigError(ValueError):
-    """An invalid flag value or combination; the message says which and why."""
 
 
 @dataclass
@@ -28,7 +30,7 @@ class EngineConfig:
     listen: str = DEFAULT_LISTEN
     served_model_name: str | None = None
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # the command line's default is min(this, the budget)
     max_model_len: int | None = None  # None: the model's own limit
     block_size: int = 16
     long_prefill_token_threshold: int = 0
@@ -54,28 +56,28 @@ class EngineConfig:
     # Security of the frontend link: a non-loopback --listen must be asked for; CURVE keys folder.
     allow_remote: bool = False
     curve_keys: str | None = None
+    # Tensor parallel across hosts (core/multi_node.py): ranks split evenly over --nnodes hosts.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = ""  # node 0's address on the interface the hosts share; the links bind there
+    master_port: int = 29501  # torch.distributed rendezvous; +1: step broadcast, +2: results
+    headless: bool = False  # a worker launcher for node_rank >= 1: no scheduler, no frontend port
+    dist_secret_file: str | None = None  # shared secret of every host (else $EVENFLOW_DIST_SECRET)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid value or combination."""
         if not re.match(r"^(tcp://[^\s]+:\d+|ipc://.+)$", self.listen):
             raise ConfigError(f"--listen must be tcp://HOST:PORT or ipc://PATH, got {self.listen!r}")
-        positive = ("max_num_batched_tokens", "max_num_seqs", "block_size", "tensor_parallel_size",
-                    "max_frame_bytes")
-        for name in positive:
+        check_scheduler_limits(self.max_num_batched_tokens, self.max_num_seqs, self.block_size,
+                               self.long_prefill_token_threshold, self.scheduling_policy, self.max_model_len)
+        for name in ("tensor_parallel_size", "max_frame_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.block_size & (self.block_size - 1):
-            raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
-        if self.long_prefill_token_threshold < 0:
-            raise ConfigError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-num-seqs "
-                f"({self.max_num_seqs}): every running request needs one token of each step's budget")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
+                f"({self.max_num_seqs}): every running request needs one token of each step's budget "
+                f"(leave --max-num-seqs out to default it to min({DEFAULT_MAX_NUM_SEQS}, the budget))")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
@@ -97,8 +99,28 @@ class EngineConfig:
         if self.curve_keys is not None and not (Path(self.curve_keys) / "engine.key_secret").is_file():
             raise ConfigError(f"--curve-keys {self.curve_keys!r} has no engine.key_secret "
                               f"(write the keys with `evenflow keygen DIR`)")
+        self._validate_nodes()
         if not (Path(self.model).expanduser() / "config.json").is_file():
             raise ConfigError(f"--model {self.model!r} is not a folder with a config.json")
+
+    def _validate_nodes(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes == 1:
+            if self.headless:
+                raise ConfigError("--headless is a worker launcher for the other hosts: it needs --nnodes > 1")
+            return
+        if self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size} must split evenly over "
+                              f"--nnodes {self.nnodes}")
+        if not self.master_addr:
+            raise ConfigError("--nnodes > 1 needs --master-addr: node 0's address on the interface the hosts "
+                              "share (the step and result links bind only there)")
+        if not 1 <= self.master_port <= 65533:
+            raise ConfigError(f"--master-port must be in [1, 65533] (it and the next two ports are used), "
+                              f"got {self.master_port}")
+        if (self.node_rank > 0) != self.headless:
+            raise ConfigError("node 0 runs the engine-core; every other --node-rank runs `engine-core --headless`")
 
     def describe(self) -> str:
         """One line per setting, for the start-up log."""
@@ -126,24 +148,27 @@ def build_parser() -> argparse.ArgumentParser:
     a("--listen", default=d.listen, help="ZMQ address the ROUTER binds for frontends (tcp:// or ipc://)")
     a("--served-model-name", default=None, help="model name reported to frontends (default: folder name)")
     a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget of one step")
-    a("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")
+    a("--max-num-seqs", type=int, default=None,
+      help=f"most requests running at once (default: min({DEFAULT_MAX_NUM_SEQS}, --max-num-batched-tokens))")
     a("--max-model-len", type=int, default=None, help="longest prompt+output (default: the model's limit)")
     a("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
     a("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold,
       help="cap on one request's prefill chunk per step (0: no cap)")
-    a("--scheduling-policy", choices=("fcfs", "priority"), default=d.scheduling_policy,
+    a("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
       help="fcfs, or priority (smaller value first, then arrival)")
     a("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
       help="turn off prefix caching")
     a("--kv-cache-memory", type=parse_size, default=None,
-      help="KV cache bytes per worker (e.g. 2GiB; default: measured free memory)")
+      help="KV cache bytes per worker, on CPU and CUDA (e.g. 2GiB; default: CPU a share of free RAM, "
+           "CUDA 90%% of the device after the weights and the largest step)")
     a("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides sizing)")
     a("--dtype", default=d.dtype, help="model dtype: auto, float32, float16, bfloat16")
     a("--device", default=d.device, help="worker device: auto, cpu, cuda")
     a("--seed", type=int, default=d.seed, help="random seed of the workers")
     a("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, help="worker processes (ranks)")
     a("--attention-backend", default=d.attention_backend, choices=("auto", "torch", "triton", "flash_attn"),
-      help="attention kernels: auto picks flash_attn or triton on CUDA, torch on CPU")
+      help="attention kernels: auto picks flash_attn on CUDA when it imports and is >= 2.5.7 (half precision), "
+           "else triton on CUDA, torch on CPU")
     a("--no-async-scheduling", dest="async_scheduling", action="store_false",
       help="turn off overlap (schedule step N+1 only after step N's results)")
     a("--load-format", choices=("auto", "dummy"), default=d.load_format,
@@ -169,12 +194,29 @@ def build_parser() -> argparse.ArgumentParser:
     a("--curve-keys", default=None,
       help="folder from `evenflow keygen DIR`: CURVE-encrypt the frontend link and serve only the frontends "
            "whose public keys are in DIR/authorized_clients")
+    g = p.add_argument_group("tensor parallel across hosts")
+    g.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts the tensor-parallel ranks are split over")
+    g.add_argument("--node-rank", type=int, default=d.node_rank, help="this host's index (0: the engine-core)")
+    g.add_argument("--master-addr", default=d.master_addr,
+                   help="node 0's address on the interface the hosts share (required with --nnodes > 1)")
+    g.add_argument("--master-port", type=int, default=d.master_port,
+                   help="torch.distributed rendezvous port on node 0; the next two carry steps and results")
+    g.add_argument("--headless", action="store_true", help="run only this host's worker ranks (node-rank >= 1)")
+    g.add_argument("--dist-secret-file", default=None,
+                   help="file with the secret shared by every host (default: $EVENFLOW_DIST_SECRET)")
     return p
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> EngineConfig:
     """Parse the command line into a validated EngineConfig (ConfigError when invalid)."""
     ns = build_parser().parse_args(argv)
+    if ns.max_num_seqs is None:
+        # vLLM's 256 would make a small budget (32, 64: what docs/tuning.md recommends against
+        # stalls) an error on its own; a budget of B tokens runs at most B requests anyway.
+        ns.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, ns.max_num_batched_tokens)
+        if ns.max_num_seqs < DEFAULT_MAX_NUM_SEQS:
+            log.info("--max-num-seqs not given: using %d (min(%d, --max-num-batched-tokens %d))", ns.max_num_seqs,
+                     DEFAULT_MAX_NUM_SEQS, ns.max_num_batched_tokens)
     cfg = EngineConfig(**vars(ns))
     cfg.validate()
     return cfg

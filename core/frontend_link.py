@@ -13,6 +13,7 @@ So the engine loop never touches a socket or msgpack for frontends.
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import queue
@@ -30,13 +31,14 @@ from evenflow.protocol import (
     DecodeError, Error, FrontendToEngine, Heartbeat, Hello, Outputs, Ready, SchedulerStats,
 )
 
+from evenflow.protocol.codec import engine_codec
 from evenflow.protocol.curve import serve_curve
-
-from .validation import validate_add_request
+from evenflow.protocol.request_envelope import RequestRefused
+from evenflow.protocol.validation import check_add_request
 
 log = logging.getLogger("evenflow.core.frontend_link")
 
-_UNICAST, _BROADCAST = b"u", b"b"
+_UNICAST, _BROADCAST, _GONE_HANDLED = b"u", b"b", b"g"
 _PROBE_DELAYS_S = (0.0, 0.1, 0.5, 1.5)  # after a disconnect event, until the pipe is gone
 
 
@@ -74,13 +76,17 @@ class FrontendLink:
         self._ctx = ctx
         self._address = address
         self._ready = ready
-        self._codec: Codec[FrontendToEngine] = Codec(FrontendToEngine, max_frame_bytes)
+        self._codec: Codec[FrontendToEngine] = engine_codec(max_frame_bytes)
         self._client_timeout = client_timeout
         self._curve_keys = curve_keys  # a key folder: CURVE-encrypt and authenticate (protocol/curve.py)
-        self._outbox: queue.Queue[tuple[bytes | None, msgspec.Struct] | None] = queue.Queue()
+        # (identity or None for all, message); a message of None marks a ClientGone as handled.
+        self._outbox: queue.Queue[tuple[bytes | None, msgspec.Struct | None] | None] = queue.Queue()
         self._pipe_addr = f"inproc://frontend-out-{id(self)}"
         self._stats = SchedulerStats()
         self._clients: dict[bytes, _Client] = {}
+        # Identities dropped whose ClientGone the engine loop has not handled yet: what it sends
+        # them until then concerns requests from before the drop, which the client counts as gone.
+        self._gone_unhandled: collections.Counter[bytes] = collections.Counter()
         self._next_index = 0
         self._stop = threading.Event()
         self._bound = threading.Event()
@@ -100,6 +106,10 @@ class FrontendLink:
 
     def send(self, identity: bytes, msg: msgspec.Struct) -> None:
         self._outbox.put((identity, msg))
+
+    def gone_handled(self, identity: bytes) -> None:
+        """The engine loop aborted a ClientGone's requests: later messages to that identity are new."""
+        self._outbox.put((identity, None))
 
     def broadcast(self, msg: msgspec.Struct) -> None:
         """Send ``msg`` to every registered client."""
@@ -129,7 +139,9 @@ class FrontendLink:
         try:
             while (item := self._outbox.get()) is not None:
                 identity, msg = item
-                if identity is None:
+                if msg is None:
+                    push.send_multipart((_GONE_HANDLED, b"", identity), copy=False)
+                elif identity is None:
                     push.send_multipart((_BROADCAST, encode(msg)), copy=False)
                 else:
                     push.send_multipart((_UNICAST, encode(msg), identity), copy=False)
@@ -146,8 +158,9 @@ class FrontendLink:
             router.setsockopt(zmq.SNDHWM, 0)
             router.setsockopt(zmq.RCVHWM, 0)
             router.setsockopt(zmq.LINGER, 1000)
-            # A hard cap far above the decode limit, so a frame a bit too large still gets an Error.
-            router.setsockopt(zmq.MAXMSGSIZE, 2 * self._codec.max_frame_bytes + (1 << 20))
+            # ZMQ closes the connection of a peer whose frame payload exceeds this (the documented
+            # rule); frames between the decode limit and this cap still get a bad_frame Error.
+            router.setsockopt(zmq.MAXMSGSIZE, disconnect_frame_bytes(self._codec.max_frame_bytes))
             auth = serve_curve(self._ctx, router, self._curve_keys) if self._curve_keys else None
             router.bind(self._address)
             pipe.bind(self._pipe_addr)
@@ -183,7 +196,7 @@ class FrontendLink:
                     self._probe_all(router)
                 if now - last_sweep > 0.2:
                     last_sweep = now
-                    self._drop_silent(now)
+                    self._drop_silent(router, now)
         finally:
             router.disable_monitor()
             monitor.close(0)
@@ -206,11 +219,14 @@ class FrontendLink:
         self._send_frame(router, identity, self._codec.encode(msg))
 
     def _on_outgoing(self, router: zmq.Socket, parts: list[zmq.Frame]) -> None:
-        if parts[0].bytes == _BROADCAST:
+        kind = parts[0].bytes
+        if kind == _BROADCAST:
             for identity in list(self._clients):
                 self._send_frame(router, identity, parts[1].bytes)
-        else:
-            self._send_frame(router, parts[2].bytes, parts[1])
+        elif kind == _GONE_HANDLED:
+            self._gone_unhandled -= collections.Counter([parts[2].bytes])  # drops counts that reach 0
+        elif (identity := parts[2].bytes) not in self._gone_unhandled:
+            self._send_frame(router, identity, parts[1])
 
     def _on_frames(self, router: zmq.Socket, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
@@ -220,21 +236,30 @@ class FrontendLink:
         if len(frames) != 2:
             self._bad(router, identity, f"expected one frame per message, got {len(frames) - 1}")
             return
+        # Checked in the order protocol/README.md states: the frame decodes (else bad_frame), the
+        # client said hello (else no_hello), the request's fields are valid (else invalid_request).
         try:
             msg = self._codec.decode(frames[1].buffer)
+        except RequestRefused as e:
+            if client is None:
+                self._reply(router, identity, Error(ERR_NOT_READY, "send hello before request"))
+            else:
+                self._reply(router, identity, Error(ERR_INVALID_REQUEST, str(e), e.request_id))
+            return
         except DecodeError as e:
             self._bad(router, identity, str(e))
             return
         if isinstance(msg, Hello):
             self._on_hello(router, identity, msg)
         elif client is None:
-            self._reply(router, identity, Error(ERR_NOT_READY, f"send Hello before {type(msg).__name__}"))
+            tag = type(msg).__struct_config__.tag
+            self._reply(router, identity, Error(ERR_NOT_READY, f"send hello before {tag}"))
         elif isinstance(msg, Heartbeat):
             self._reply(router, identity, Outputs([], self._stats, time.time()))
         elif isinstance(msg, AddRequest):
-            problem = validate_add_request(msg, self._ready.vocab_size, self._ready.max_model_len)
+            problem = check_add_request(msg, self._ready.vocab_size, self._ready.max_model_len)
             if problem is not None:
-                self._reply(router, identity, Error(ERR_INVALID_REQUEST, problem, msg.request_id))
+                self._reply(router, identity, Error(ERR_INVALID_REQUEST, problem.message, msg.request_id))
             else:
                 self.inbox.put(ClientMessage(identity, client.index, msg))
         else:  # Abort, UtilityCall
@@ -264,16 +289,29 @@ class FrontendLink:
             for identity in list(self._clients):
                 self._send_frame(router, identity, frame)
 
-    def _drop_silent(self, now: float) -> None:
+    def _drop_silent(self, router: zmq.Socket, now: float) -> None:
         for identity, c in list(self._clients.items()):
             if now - c.last_seen > self._client_timeout:
-                self._forget(identity, f"silent for {now - c.last_seen:.1f} s")
+                reason = (f"silent for {now - c.last_seen:.1f} s "
+                          f"(the engine's client timeout is {self._client_timeout:g} s)")
+                self._forget(identity, reason)
+                # Sent from this thread, so it precedes every answer to a later frame of that client.
+                # (A client whose connection is gone cannot be told: its next message gets no_hello.)
+                self._reply(router, identity, Error(ERR_NOT_READY, f"dropped: {reason}; every request of "
+                                                                   f"yours was aborted; send hello, then resubmit"))
 
     def _forget(self, identity: bytes, reason: str) -> None:
         client = self._clients.pop(identity, None)
         if client is not None:
+            self._gone_unhandled[identity] += 1
             log.warning("client %d (%s) gone: %s", client.index, client.name or identity.hex(), reason)
             self.inbox.put(ClientGone(identity, client.index, reason))
+
+
+def disconnect_frame_bytes(max_frame_bytes: int) -> int:
+    """ZMQ_MAXMSGSIZE of the ROUTER: a frame whose payload (the msgpack bytes, not ZMTP's framing)
+    is larger makes ZMQ close that connection. Twice the decode limit, as protocol/README.md says."""
+    return min(2 * max_frame_bytes, 2**63 - 1)
 
 
 def _drain(sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None], burst: int = 256) -> None:

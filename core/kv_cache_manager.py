@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from .block_hash import extend_block_hashes
 from .block_pool import BlockPool, KVBlock
-from .request import Request
+from .request import Request, RequestStatus
 
 
 @dataclass
@@ -34,7 +34,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are already registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}
-        self.prefix_cache_queries = 0  # tokens looked up, once per admitted request
+        self.prefix_cache_queries = 0  # prompt tokens looked up, once per request (not on resumption)
         self.prefix_cache_hits = 0  # tokens found
 
     @property
@@ -114,8 +114,11 @@ class KVCacheManager:
         self.req_to_blocks[req_id] = computed.blocks + new_blocks
         self.num_cached_blocks[req_id] = num_hit_blocks
         if self.enable_caching:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += computed.num_tokens
+            if request.status == RequestStatus.WAITING:
+                # A prompt counts once, as in vLLM: a request resuming from preemption finds its own
+                # blocks again, and counting that would inflate the hit rate exactly under pressure.
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += computed.num_tokens
             self._cache_full_blocks(request, min(num_total_tokens, request.num_tokens) // self.block_size)
         return new_blocks
 

@@ -23,11 +23,12 @@ class ModelInfo:
     """What a frontend and the scheduler need to know about the served model."""
 
     model_path: str
-    model_name: str
+    model_name: str  # --served-model-name, else the --model string as given (vLLM's rule)
     architectures: list[str]
     max_model_len: int  # the model's own limit (before any --max-model-len override)
     vocab_size: int
     eos_token_ids: list[int]
+    model_aliases: tuple[str, ...] = ()  # the folder's base name, when model_name is not already it
 
 
 def derive_max_model_len(raw: dict[str, Any]) -> int:
@@ -52,9 +53,14 @@ def read_model_info(model_dir: str | Path, served_model_name: str | None = None)
     cfg = read_hf_config(model_dir)
     if "vocab_size" not in cfg.text:
         raise ValueError(f"{cfg.path / 'config.json'} has no vocab_size")
+    # Clients copied from a vLLM setup send the --model string; older evenflow clients sent the
+    # folder's base name, which stays an alias. An explicit served name replaces both, as in vLLM.
+    model_name = served_model_name or str(model_dir)
+    aliases = () if served_model_name or cfg.path.name == model_name else (cfg.path.name,)
     return ModelInfo(
         model_path=str(cfg.path),
-        model_name=served_model_name or cfg.path.name,
+        model_name=model_name,
+        model_aliases=aliases,
         architectures=list(cfg.raw.get("architectures") or []),
         max_model_len=derive_max_model_len(cfg.text),
         vocab_size=int(cfg.text["vocab_size"]),

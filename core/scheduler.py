@@ -48,6 +48,7 @@ class Scheduler:
         self._num_preemptions = 0
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        self._num_scheduled_tokens = 0  # every step's scheduled tokens, recomputation included
         self._schedule_s = 0.0
         self._update_s = 0.0
 
@@ -177,6 +178,7 @@ class Scheduler:
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         if token_budget < config.max_num_batched_tokens:
             self._num_steps += 1  # steps that run something; step_id counts every call
+            self._num_scheduled_tokens += config.max_num_batched_tokens - token_budget
         output = SchedulerOutput(
             step_id=step_id,
             scheduled_new_reqs=new_reqs,
@@ -329,6 +331,7 @@ class Scheduler:
             num_generation_tokens=self._num_generation_tokens,
             schedule_s=self._schedule_s,
             update_s=self._update_s,
+            num_scheduled_tokens=self._num_scheduled_tokens,
         )
 
     def reset_prefix_cache(self) -> bool:

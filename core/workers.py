@@ -8,6 +8,8 @@ Links (the engine binds both, in a private temp dir):
   from rank 0 only.
 
 Workers run ``sys.executable -m evenflow.worker.process`` so this process never imports torch.
+With ranks on several hosts (multi_node.py) both links are TCP on ``--master-addr``, secured with
+CURVE, and only this host's ranks are spawned here; the others come from ``engine-core --headless``.
 Every wait here is sliced so a dead worker is noticed within a fraction of a second.
 """
 
@@ -31,6 +33,9 @@ from evenflow.protocol import (
     WorkerReady, WorkerShutdown, WorkerToEngine,
 )
 
+from .engine_config import EngineConfig
+from .multi_node import NodeLayout, SecuredLinks
+
 log = logging.getLogger("evenflow.core.workers")
 
 _POLL_SLICE_MS = 100
@@ -49,6 +54,7 @@ class WorkerGroup:
     template: WorkerConfig
     start_timeout: float = 600.0
     procs: list[subprocess.Popen] = field(default_factory=list)
+    layout: NodeLayout | None = None  # ranks on several hosts; None: all here, over ipc://
 
     def __post_init__(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="evenflow-workers-")
@@ -59,10 +65,15 @@ class WorkerGroup:
         self._in = self.ctx.socket(zmq.PULL)
         self._in.setsockopt(zmq.RCVHWM, 0)
         self._in.setsockopt(zmq.LINGER, 0)
-        self.input_addr = f"ipc://{self._dir}/steps"
-        self.output_addr = f"ipc://{self._dir}/results"
-        self._out.bind(self.input_addr)
-        self._in.bind(self.output_addr)
+        self._links: SecuredLinks | None = None
+        if self.layout is None:
+            self.input_addr = f"ipc://{self._dir}/steps"
+            self.output_addr = f"ipc://{self._dir}/results"
+            self._out.bind(self.input_addr)
+            self._in.bind(self.output_addr)
+        else:
+            self.input_addr, self.output_addr = self.layout.steps_addr, self.layout.results_addr
+            self._links = SecuredLinks(self.ctx, self.layout, self._out, self._in)
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(WorkerToEngine).decode
         self._errors: dict[int, WorkerError] = {}
@@ -72,15 +83,16 @@ class WorkerGroup:
     def start(self) -> list[WorkerReady]:
         """Spawn every rank and wait for its WorkerReady (raises WorkerFailure on death/timeout)."""
         world = self.template.world_size
-        dist_addr = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else ""
-        for rank in range(world):
+        if self.layout is not None:
+            dist_addr, local = self.layout.dist_init_addr, self.layout.local_ranks()
+        else:
+            dist_addr, local = (f"tcp://127.0.0.1:{_free_port()}" if world > 1 else ""), range(world)
+        for rank in local:
             cfg = msgspec.structs.replace(self.template, rank=rank, dist_init_addr=dist_addr,
                                           engine_input_addr=self.input_addr,
-                                          engine_output_addr=self.output_addr)
-            cmd = [sys.executable, "-m", "evenflow.worker.process", "--config",
-                   msgspec.json.encode(cfg).decode()]
-            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
-            log.info("started worker rank %d (pid %d)", rank, self.procs[-1].pid)
+                                          engine_output_addr=self.output_addr,
+                                          secure_link=self.layout is not None)
+            self.procs.append(spawn_worker(cfg, self.layout.worker_env() if self.layout else None))
         readies: dict[int, WorkerReady] = {}
         subscribed = 0
         deadline = time.monotonic() + self.start_timeout
@@ -132,8 +144,8 @@ class WorkerGroup:
                 self.check_alive()
 
     def check_alive(self) -> None:
-        """Raise WorkerFailure when any rank has exited."""
-        if any(p.poll() is not None for p in self.procs):
+        """Raise WorkerFailure when any rank here has exited, or a host with ranks is lost."""
+        if any(p.poll() is not None for p in self.procs) or (self._links is not None and self._links.check()):
             self._raise_failure()
 
     def _send(self, msg: EngineToWorker) -> None:
@@ -147,17 +159,20 @@ class WorkerGroup:
                 msg = self._decode(self._in.recv())
                 if isinstance(msg, WorkerError):
                     self._errors[msg.rank] = msg
-            elif all(p.poll() is not None for p in self.procs):
-                break
+            elif all(p.poll() is not None for p in self.procs) and (self._links is None or self._links.check()):
+                break  # every local rank is gone (and, across hosts, the lost host is known)
         parts = []
-        for rank, p in enumerate(self.procs):
+        local = dict(zip(self.layout.local_ranks() if self.layout else range(len(self.procs)), self.procs))
+        for rank in sorted(set(local) | set(self._errors)):
             err = self._errors.get(rank)
-            code = p.poll()
+            code = local[rank].poll() if rank in local else None
             if err is not None:
                 where = f" at step {err.step_id}" if err.step_id >= 0 else ""
                 parts.append(f"worker rank {rank} failed{where}: {err.message}")
             elif code is not None:
-                parts.append(f"worker rank {rank} (pid {p.pid}) {_describe_exit(code)}")
+                parts.append(f"worker rank {rank} (pid {local[rank].pid}) {describe_exit(code)}")
+        if self._links is not None and self._links.check():
+            parts.append(self._links.lost or "")
         raise WorkerFailure("; ".join(parts) or "a worker failed without a reason")
 
     # ----------------------------------------------------------------------------- shutdown
@@ -176,12 +191,32 @@ class WorkerGroup:
                 log.warning("worker pid %d did not exit in %.1f s: killing it", p.pid, timeout)
                 p.kill()
                 p.wait()
+        if self._links is not None:
+            self._links.close()
         self._out.close(0)
         self._in.close(0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _describe_exit(code: int) -> str:
+def worker_template(cfg: EngineConfig, model_path: str, max_model_len: int) -> WorkerConfig:
+    """Every rank's WorkerConfig but its rank and addresses (the same on every host)."""
+    return WorkerConfig(
+        model=model_path, world_size=cfg.tensor_parallel_size, dtype=cfg.dtype, device=cfg.device,
+        seed=cfg.seed, block_size=cfg.block_size, max_model_len=max_model_len,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+        attention_backend=cfg.attention_backend, kv_cache_memory=cfg.kv_cache_memory,
+        num_kv_blocks=cfg.num_kv_blocks, load_format=cfg.load_format, num_threads=cfg.worker_threads)
+
+
+def spawn_worker(cfg: WorkerConfig, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start one rank; a secured one reads the shared secret from ``env``, never from its argv."""
+    cmd = [sys.executable, "-m", "evenflow.worker.process", "--config", msgspec.json.encode(cfg).decode()]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
+    log.info("started worker rank %d (pid %d)", cfg.rank, proc.pid)
+    return proc
+
+
+def describe_exit(code: int) -> str:
     if code < 0:
         try:
             return f"was killed by signal {signal.Signals(-code).name}"

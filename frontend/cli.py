@@ -14,7 +14,10 @@ import gc
 import logging
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from .dp_router import RoutingConfig
 
 from evenflow.protocol.lifeline import die_with_parent
 
@@ -33,12 +36,36 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the engine's)")
     p.add_argument("--chat-template", default=None, help="jinja2 chat template file (overrides the model's)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the engine's model folder)")
+    add_routing_flags(p)
+
+
+def add_routing_flags(p: argparse.ArgumentParser) -> None:
+    """How a frontend attached to several engine-cores (data parallel) picks one per request."""
+    from .dp_router import ROUTING_POLICIES, RoutingConfig
+
+    d = RoutingConfig()
+    p.add_argument("--routing-policy", choices=ROUTING_POLICIES, default=d.policy,
+                   help="with several engine-cores: prefix (cache-aware, with a hot-spot guard), load "
+                        "(4*waiting + running), or round_robin")
+    p.add_argument("--routing-balance-abs-threshold", type=float, default=d.balance_abs_threshold,
+                   help="prefix routing turns to load balancing when the busiest engine's load score exceeds "
+                        "the idlest's by more than this ...")
+    p.add_argument("--routing-balance-rel-threshold", type=float, default=d.balance_rel_threshold,
+                   help="... and is more than this many times it")
+
+
+def routing_config(args: argparse.Namespace) -> "RoutingConfig":
+    from .dp_router import RoutingConfig
+
+    return RoutingConfig(args.routing_policy, args.routing_balance_abs_threshold, args.routing_balance_rel_threshold)
 
 
 def frontend_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="evenflow-frontend", description="One OpenAI-compatible HTTP frontend "
                                 "attached to a running engine-core.")
-    p.add_argument("--engine", default="tcp://127.0.0.1:7100", help="engine-core address (its --listen)")
+    p.add_argument("--engine", action="append", default=None,
+                   help="engine-core address (its --listen; default tcp://127.0.0.1:7100); repeat it to route "
+                        "requests among several engine-cores (data parallel)")
     add_frontend_flags(p)
     p.add_argument("--connect-timeout", type=float, default=600.0, help="seconds to wait for the engine-core")
     p.add_argument("--no-log-stats", dest="log_stats", action="store_false", help="no periodic throughput log")
@@ -58,7 +85,7 @@ async def _run_frontend(args: argparse.Namespace) -> None:
     import uvloop  # noqa: F401  (the loop we run on; imported here to fail early when missing)
 
     config = ServerConfig(
-        engine_address=args.engine, api_key=args.api_key, served_model_name=args.served_model_name,
+        engine_address=args.engine[0], engine_addresses=args.engine, routing=routing_config(args), api_key=args.api_key, served_model_name=args.served_model_name,
         chat_template=args.chat_template, tokenizer=args.tokenizer, log_stats=args.log_stats,
         connect_timeout=args.connect_timeout, frontend_name=args.frontend_name,
         metrics_dir=os.environ.get("EVENFLOW_METRICS_DIR"), max_body_bytes=args.max_request_body_bytes,
@@ -73,7 +100,7 @@ async def _run_frontend(args: argparse.Namespace) -> None:
     sock = reuseport_socket(args.host, args.port)
     gc.freeze()  # start-up's objects (tokenizer, app) live forever: keep full collections from rescanning them
     log.info("serving %s (max_model_len %d) on http://%s:%d, engine %s", ctx.model_name, ctx.max_model_len,
-             args.host, sock.getsockname()[1], args.engine)
+             args.host, sock.getsockname()[1], ", ".join(args.engine))
     try:
         await serve_app(build_app(config, given), sock)  # type: ignore[arg-type]
     finally:
@@ -82,8 +109,16 @@ async def _run_frontend(args: argparse.Namespace) -> None:
 
 def frontend_main(argv: Sequence[str] | None = None) -> int:
     """``evenflow-frontend``: serve HTTP against an engine-core until SIGINT/SIGTERM."""
-    args = frontend_parser().parse_args(argv)
+    parser = frontend_parser()
+    args = parser.parse_args(argv)
     die_with_parent()  # when a launcher asked (evenflow serve): never outlive it
+    args.engine = args.engine or ["tcp://127.0.0.1:7100"]
+    try:
+        routing_config(args).validate()
+        if len(set(args.engine)) != len(args.engine):
+            raise ValueError(f"--engine lists an engine-core twice: {args.engine}")
+    except ValueError as e:
+        parser.error(str(e))
     _setup_logging(args.frontend_name or f"frontend-{os.getpid()}")
     import uvloop
 

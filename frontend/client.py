@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
@@ -88,6 +88,14 @@ class EngineClient:
         self._dead_engine_id: str | None = None  # an engine that said it is going away: ignore its Ready
         self._revived = asyncio.Event()
         self._last_rx = 0.0
+        # Called with every Outputs after its deltas are queued (the data-parallel client's router
+        # reads stats and prefix-cache events here).
+        self.on_outputs: Callable[[Outputs], None] | None = None
+
+    @property
+    def failure(self) -> EngineError | None:
+        """Why the client is failed (engine death, fatal error, close); None while it serves."""
+        return self._fatal
 
     @property
     def connected(self) -> bool:
@@ -229,6 +237,8 @@ class EngineClient:
                     if stream is not None:
                         stream.got_output = True
                         stream.queue.put_nowait(out)
+                if self.on_outputs is not None:
+                    self.on_outputs(msg)
             elif isinstance(msg, Error):
                 self._on_error(msg)
             elif isinstance(msg, Ready):

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import msgspec
 
 from evenflow.protocol import SamplingParams as EngineSamplingParams
+from evenflow.protocol.validation import check_context_length, check_prompt_token_ids, check_sampling_params
 
 from .api.generation import Generation
 from .api.prepare import ChoicePlan, fan_out, stop_strings
@@ -192,14 +193,16 @@ class LLM:
         n = getattr(sp, "n", 1)
         engine = sp.engine_params() if isinstance(sp, SamplingParams) else sp
         max_len = self.ready.max_model_len
+        problem = (check_prompt_token_ids(prompt_ids, self.ready.vocab_size)
+                   or check_context_length(len(prompt_ids), None, max_len))
+        if problem is not None:
+            raise ValueError(problem.message)
         if len(prompt_ids) + engine.max_tokens > max_len:
             room = max_len - len(prompt_ids)
-            if room < 1:
-                raise ValueError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is {max_len}")
             engine = msgspec.structs.replace(engine, max_tokens=room, min_tokens=min(engine.min_tokens, room))
-        problem = engine.validate(self.ready.vocab_size)
+        problem = check_sampling_params(engine, self.ready.vocab_size)
         if problem is not None:
-            raise ValueError(problem)
+            raise ValueError(problem.message)
         plan = ChoicePlan(prompt_ids, fan_out(engine, n), stop_strings(getattr(sp, "stop", None)),
                           getattr(sp, "include_stop_str_in_output", False), getattr(sp, "skip_special_tokens", True), 0)
         return Generation(self._client.async_client, self.tokenizer, f"llm{next(self._ids)}", [plan])

@@ -1,26 +1,42 @@
-"""Prometheus metrics for one or many frontends, written in the text format by hand.
+"""Prometheus metrics for one or many frontends.
 
 Two kinds of numbers:
 
-* engine-wide (running/waiting requests, KV usage, preemptions, prefix cache): taken from the
+* engine-wide (running/waiting requests, KV usage, preemptions, prefix cache, steps): taken from the
   engine's latest ``SchedulerStats``. Every frontend sees the same engine, so merging takes the
-  freshest snapshot instead of a sum.
+  freshest snapshot instead of a sum. With several engine-cores (data parallel) each also appears
+  with an ``engine="i"`` label (its position in ``--engine``), and the unlabelled series is the
+  total (KV cache usage: the mean).
 * request-level (token counters, finished requests by reason, latency histograms): counted by the
   frontend that served the request. With N frontends behind one port a scrape lands on one of
   them, so each frontend publishes its snapshot as a file in ``EVENFLOW_METRICS_DIR`` (atomically,
   about every second and at scrape time) and ``/metrics`` sums all the files: each request is
   counted once, by the frontend that served it.
+
+prometheus_client writes the exposition format. Its multiprocess mode is not used: it sums every
+process's value of a counter, but the engine-wide counters are one engine's, seen by N frontends
+(summing would count them N times), and it keys files by PID from an environment variable read at
+import, so two FrontendMetrics in one process (tests, the offline ``LLM``) would share them.
+
+Adding a metric is one line: an ``EngineMetric`` in ``ENGINE_METRICS`` (a value the engine reports
+in ``SchedulerStats``; add the field there), or a name in ``COUNTERS`` / ``HISTOGRAMS`` (counted here,
+then ``metrics.counters[name] += n`` / ``metrics.histograms[name].observe(x)`` where it happens).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 from msgspec import Struct
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from evenflow.protocol import SchedulerStats
 
@@ -39,6 +55,38 @@ HISTOGRAMS: dict[str, tuple[list[float], str]] = {
     "evenflow:request_queue_time_seconds": (
         E2E_BUCKETS, "Time a request waited before the engine first scheduled it (when the engine reports it)."),
 }
+
+
+class EngineMetric(NamedTuple):
+    """A metric read from the engine's ``SchedulerStats``."""
+
+    name: str
+    kind: str  # "gauge" or "counter"
+    help: str
+    value: Callable[[SchedulerStats], float]
+
+
+ENGINE_METRICS: list[EngineMetric] = [
+    EngineMetric("evenflow:num_requests_running", "gauge", "Requests in the engine's running batch.",
+                 lambda e: e.num_running),
+    EngineMetric("evenflow:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", lambda e: e.num_waiting),
+    EngineMetric("evenflow:kv_cache_usage_perc", "gauge", "KV cache usage (1 = full).", lambda e: e.kv_cache_usage),
+    EngineMetric("evenflow:num_preemptions_total", "counter", "Preemptions by the scheduler.",
+                 lambda e: e.num_preemptions),
+    EngineMetric("evenflow:prefix_cache_queries_total", "counter",
+                 "Prefix cache queries, in tokens (each request's prompt once, not again after a preemption).",
+                 lambda e: e.prefix_cache_queries),
+    EngineMetric("evenflow:prefix_cache_hits_total", "counter", "Prefix cache hits, in tokens (of those queries).",
+                 lambda e: e.prefix_cache_hits),
+    EngineMetric("evenflow:num_steps_total", "counter", "Engine steps that ran the model.", lambda e: e.num_steps),
+    EngineMetric("evenflow:scheduled_tokens_total", "counter",
+                 "Tokens computed by the model: the sum of every step's scheduled tokens (recomputation after "
+                 "preemption included).", lambda e: e.num_scheduled_tokens),
+    EngineMetric("evenflow:worker_forward_seconds_total", "counter", "Seconds the workers spent in forward passes.",
+                 lambda e: e.worker_forward_s),
+    EngineMetric("evenflow:worker_idle_seconds_total", "counter",
+                 "Seconds the workers waited on the engine-core while it had work.", lambda e: e.worker_idle_s),
+]
 COUNTERS: dict[str, str] = {
     "evenflow:prompt_tokens_total": "Prompt tokens of finished and running requests.",
     "evenflow:generation_tokens_total": "Generated tokens delivered.",
@@ -84,6 +132,7 @@ class MetricsSnapshot(Struct):
     histograms: dict[str, HistogramData]
     engine: SchedulerStats | None = None
     engine_time: float = 0.0
+    engines: dict[str, SchedulerStats] = {}  # per engine-core when data parallel, by label
     rejected: dict[str, int] = {}  # refusal reason -> requests (evenflow:request_rejected_total)
 
 
@@ -112,6 +161,7 @@ class FrontendMetrics:
         self.histograms = {name: HistogramData.empty(b) for name, (b, _) in HISTOGRAMS.items()}
         self.engine: SchedulerStats | None = None
         self.engine_time = 0.0
+        self.engines: dict[str, SchedulerStats] = {}
         self._encoder = msgspec.json.Encoder()
         self._decoder = msgspec.json.Decoder(MetricsSnapshot)
 
@@ -143,11 +193,14 @@ class FrontendMetrics:
     def on_rejected(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
-    def set_engine_stats(self, stats: SchedulerStats | None, when: float | None = None) -> None:
-        """Record the engine's stats as of ``when`` (now); the same object again is not fresher."""
+    def set_engine_stats(self, stats: SchedulerStats | None, when: float | None = None,
+                         per_engine: dict[str, SchedulerStats] | None = None) -> None:
+        """Record the engine's stats as of ``when`` (now); the same object again is not fresher.
+        ``per_engine``: each engine-core's own stats when ``stats`` is a data-parallel total."""
         if stats is not None and stats is not self.engine:
             self.engine = stats
             self.engine_time = time.time() if when is None else when
+            self.engines = dict(per_engine or {})
 
     # -- snapshots and merging ----------------------------------------------------------------
 
@@ -155,7 +208,7 @@ class FrontendMetrics:
         return MetricsSnapshot(
             self.frontend_name, time.time(), dict(self.counters), dict(self.finished),
             {k: HistogramData(list(h.bounds), list(h.counts), h.sum, h.count) for k, h in self.histograms.items()},
-            self.engine, self.engine_time, dict(self.rejected),
+            self.engine, self.engine_time, dict(self.engines), dict(self.rejected),
         )
 
     def write_snapshot(self) -> None:
@@ -203,63 +256,55 @@ def merge_snapshots(snaps: list[MetricsSnapshot]) -> MetricsSnapshot:
             if k in merged.histograms:
                 merged.histograms[k].add(h)
         if s.engine is not None and s.engine_time >= merged.engine_time:
-            merged.engine, merged.engine_time = s.engine, s.engine_time
+            merged.engine, merged.engine_time, merged.engines = s.engine, s.engine_time, s.engines
     return merged
 
 
-def _fmt(v: float) -> str:
-    f = float(v)
-    if f == float("inf"):
-        return "+Inf"
-    return str(int(f)) if f.is_integer() and abs(f) < 1e15 else repr(f)
+class _SnapshotCollector:
+    """A prometheus_client collector over one merged snapshot (a fresh one per scrape)."""
+
+    def __init__(self, snapshot: MetricsSnapshot, model_name: str) -> None:
+        self.snapshot, self.model_name = snapshot, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s, labels, values = self.snapshot, ["model_name"], [self.model_name]
+        engine = s.engine or SchedulerStats()
+        for m in ENGINE_METRICS:
+            family = (GaugeMetricFamily if m.kind == "gauge" else CounterMetricFamily)(m.name, m.help, labels=labels)
+            family.add_metric(values, m.value(engine))
+            sample_name = family.samples[0].name
+            for label, stats in sorted(s.engines.items()):  # data parallel: each engine-core too
+                family.add_sample(sample_name, {"model_name": self.model_name, "engine": label}, m.value(stats))
+            yield family
+        for name, help_text in COUNTERS.items():
+            counter = CounterMetricFamily(name, help_text, labels=labels)
+            counter.add_metric(values, s.counters.get(name, 0.0))
+            yield counter
+        success = CounterMetricFamily("evenflow:request_success_total", "Finished requests by finish reason.",
+                                      labels=["model_name", "finished_reason"])
+        for reason in sorted(set(s.finished) | {"stop", "length", "abort"}):
+            success.add_metric([self.model_name, reason], s.finished.get(reason, 0))
+        yield success
+        rejected = CounterMetricFamily("evenflow:request_rejected_total",
+                                       "Requests refused before admission (HTTP 503), by reason.",
+                                       labels=["model_name", "reason"])
+        for reason in sorted(set(s.rejected) | set(REJECT_REASONS)):
+            rejected.add_metric([self.model_name, reason], s.rejected.get(reason, 0))
+        yield rejected
+        for name, (_, help_text) in HISTOGRAMS.items():
+            h = s.histograms[name]
+            cumulative = list(itertools.accumulate(h.counts))
+            bounds = [*(repr(float(b)) for b in h.bounds), "+Inf"]
+            histogram = HistogramMetricFamily(name, help_text, labels=labels)
+            histogram.add_metric(values, list(zip(bounds, cumulative)), h.sum)
+            yield histogram
 
 
 def render_prometheus(s: MetricsSnapshot, model_name: str) -> str:
-    """The Prometheus text exposition format (version 0.0.4)."""
-    label = f'model_name="{_escape(model_name)}"'
-    out: list[str] = []
-
-    def metric(name: str, kind: str, help_text: str, value: float) -> None:
-        out.append(f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n{name}{{{label}}} {_fmt(value)}")
-
-    e = s.engine or SchedulerStats()
-    metric("evenflow:num_requests_running", "gauge", "Requests in the engine's running batch.", e.num_running)
-    metric("evenflow:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", e.num_waiting)
-    metric("evenflow:kv_cache_usage_perc", "gauge", "KV cache usage (1 = full).", e.kv_cache_usage)
-    metric("evenflow:num_preemptions_total", "counter", "Preemptions by the scheduler.", e.num_preemptions)
-    metric("evenflow:prefix_cache_queries_total", "counter", "Prefix cache queries, in tokens.", e.prefix_cache_queries)
-    metric("evenflow:prefix_cache_hits_total", "counter", "Prefix cache hits, in tokens.", e.prefix_cache_hits)
-    metric("evenflow:num_steps_total", "counter", "Engine steps that ran the model.", e.num_steps)
-    metric("evenflow:scheduled_tokens_total", "counter", "Tokens computed by the model (prompt + generated).",
-           e.num_prompt_tokens + e.num_generation_tokens)
-    metric("evenflow:worker_forward_seconds_total", "counter", "Seconds the workers spent in forward passes.",
-           e.worker_forward_s)
-    metric("evenflow:worker_idle_seconds_total", "counter",
-           "Seconds the workers waited on the engine-core while it had work.", e.worker_idle_s)
-    for name, help_text in COUNTERS.items():
-        metric(name, "counter", help_text, s.counters.get(name, 0.0))
-    name = "evenflow:request_success_total"
-    out.append(f"# HELP {name} Finished requests by finish reason.\n# TYPE {name} counter")
-    for reason in sorted(set(s.finished) | {"stop", "length", "abort"}):
-        out.append(f'{name}{{{label},finished_reason="{_escape(reason)}"}} {s.finished.get(reason, 0)}')
-    name = "evenflow:request_rejected_total"
-    out.append(f"# HELP {name} Requests refused before admission (HTTP 503), by reason.\n# TYPE {name} counter")
-    for reason in sorted(set(s.rejected) | set(REJECT_REASONS)):
-        out.append(f'{name}{{{label},reason="{_escape(reason)}"}} {s.rejected.get(reason, 0)}')
-    for name, (_, help_text) in HISTOGRAMS.items():
-        h = s.histograms[name]
-        out.append(f"# HELP {name} {help_text}\n# TYPE {name} histogram")
-        cumulative = 0
-        for bound, c in zip([*h.bounds, float("inf")], h.counts):
-            cumulative += c
-            out.append(f'{name}_bucket{{{label},le="{_fmt(bound)}"}} {cumulative}')
-        out.append(f"{name}_sum{{{label}}} {_fmt(h.sum)}")
-        out.append(f"{name}_count{{{label}}} {h.count}")
-    return "\n".join(out) + "\n"
-
-
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    """The Prometheus text exposition format (version 0.0.4) of a merged snapshot."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SnapshotCollector(s, model_name))
+    return generate_latest(registry).decode()
 
 
 def stats_log_line(prev: SchedulerStats | None, cur: SchedulerStats, seconds: float) -> str | None:

@@ -11,6 +11,7 @@ from typing import Generic, TypeVar
 import msgspec
 
 from .messages import EngineToFrontend, EngineToWorker, FrontendToEngine, WorkerToEngine
+from .wire_errors import explain, structs_by_tag
 
 T = TypeVar("T")
 
@@ -28,6 +29,7 @@ class Codec(Generic[T]):
     def __init__(self, recv_type: object, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(recv_type)
+        self._by_tag = structs_by_tag(recv_type)
         self.max_frame_bytes = max_frame_bytes
 
     def encode(self, msg: msgspec.Struct) -> bytes:
@@ -39,12 +41,15 @@ class Codec(Generic[T]):
         try:
             return self._decoder.decode(frame)
         except msgspec.DecodeError as e:
-            raise DecodeError(str(e)) from None
+            raise DecodeError(explain(str(e), frame, self._by_tag)) from None
 
 
-def engine_codec() -> Codec[FrontendToEngine]:
-    """The engine-core's codec for the frontend link (receives FrontendToEngine)."""
-    return Codec(FrontendToEngine)
+def engine_codec(max_frame_bytes: int = MAX_FRAME_BYTES) -> Codec[FrontendToEngine]:
+    """The engine-core's codec for the frontend link (receives FrontendToEngine; a ``request``
+    with a readable id but bad fields raises ``RequestRefused`` carrying that id)."""
+    from .request_envelope import EngineCodec  # it subclasses Codec
+
+    return EngineCodec(max_frame_bytes)
 
 
 def frontend_codec() -> Codec[EngineToFrontend]:

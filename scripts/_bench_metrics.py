@@ -80,6 +80,8 @@ def parse_prometheus(text: str) -> dict[str, float]:
             value = float(fields[0])
         except ValueError:
             continue
+        if prefix == "evenflow:" and 'engine="' in line:
+            continue  # evenflow's data-parallel breakdown: the unlabelled series is already the total
         out[name] = out.get(name, 0.0) + value
     return out
 

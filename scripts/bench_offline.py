@@ -5,7 +5,8 @@
         --min-prompt 128 --max-prompt 512 --output-len 128    # the vLLM-CPU comparison point
 
 Random ("dummy") weights from a config alone: "tiny" (hidden 256, 4 layers, 4/2 heads, ffn 768,
-vocab 8192) and "small" (hidden 1024, 8 layers, 16/4 heads, ffn 2816, vocab 8192). For each model,
+vocab 8192), "small" (hidden 1024, 8 layers, 16/4 heads, ffn 2816, vocab 8192) and "1b" (Llama-3.2-1B's
+shape, for GPUs: ``--device cuda``). For each model,
 dtype and batch size, ``batch`` synthetic prompts (lengths uniform in [min, max]) each generate
 ``output-len`` tokens (ignore_eos); every request is submitted at once, so the batch size is the
 number of concurrent sequences. Printed per row: input and output tokens per second over the whole
@@ -36,6 +37,9 @@ MODELS = {
                  intermediate_size=768, vocab_size=8192),
     "small": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                   intermediate_size=2816, vocab_size=8192),
+    # Llama-3.2-1B's shape (1.2B parameters): for GPUs (scripts/gpu_check.sh).
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
 }
 
 
@@ -68,8 +72,8 @@ def write_config(root: Path, name: str) -> Path:
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", max_position_embeddings=4096,
-               rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-               torch_dtype="bfloat16", **MODELS[name])
+               rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+               **{"tie_word_embeddings": False, **MODELS[name]})
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder
 
@@ -77,7 +81,8 @@ def write_config(root: Path, name: str) -> Path:
 def run_one(model_dir: Path, name: str, dtype: str, batch: int, args: argparse.Namespace) -> Row:
     max_len = args.max_prompt + args.output_len + 1
     blocks_needed = batch * (-(-max_len // args.block_size)) + 1  # never preempt: measure throughput
-    worker_cfg = WorkerConfig(model=str(model_dir), dtype=dtype, device="cpu", block_size=args.block_size,
+    worker_cfg = WorkerConfig(model=str(model_dir), dtype=dtype, device=args.device, block_size=args.block_size,
+                              attention_backend=args.attention_backend,
                               max_model_len=max_len, max_num_batched_tokens=args.budget, max_num_seqs=batch,
                               load_format="dummy", num_threads=args.threads, num_kv_blocks=blocks_needed)
     runner = ModelRunner(worker_cfg)
@@ -129,12 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton", "flash_attn"))
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.dtypes, args.batch_sizes = ["tiny"], ["float32"], [1, 16]
         args.min_prompt, args.max_prompt, args.output_len = 32, 64, 16
-    print(f"torch {torch.__version__}, {torch.get_num_threads() if args.threads is None else args.threads} threads",
-          file=sys.stderr)
+    print(f"torch {torch.__version__}, {torch.get_num_threads() if args.threads is None else args.threads} threads, "
+          f"device {args.device}", file=sys.stderr)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:

@@ -162,7 +162,7 @@ def wire_cost(workdir: Path, outputs_per_msg: int, n_msgs: int) -> tuple[float, 
     return n_msgs / dt, 1e6 * dt / n_msgs
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=256, help="requests kept running")
     ap.add_argument("--seconds", type=float, default=20.0, help="measurement window per case")
@@ -170,7 +170,9 @@ def main() -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model size")
     ap.add_argument("--skip-engine", action="store_true", help="only measure the wire")
-    args = ap.parse_args()
+    ap.add_argument("--wire-messages", type=int, default=20000,
+                    help="1-output messages timed through the wire (a tenth as many 256-output ones)")
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)  # the wire test's disconnects are expected
     with tempfile.TemporaryDirectory(prefix="bench-overlap-") as tmp:
         workdir = Path(tmp)
@@ -192,7 +194,7 @@ def main() -> int:
         print("\n## wire: Outputs through ROUTER -> DEALER (encode thread + IO thread + client decode)\n")
         print("| outputs per message | messages/s | µs per message |")
         print("|---|---|---|")
-        for per_msg, n in ((1, 20000), (256, 2000)):
+        for per_msg, n in ((1, args.wire_messages), (256, max(args.wire_messages // 10, 1))):
             rate, us = wire_cost(workdir, per_msg, n)
             print(f"| {per_msg} | {rate:.0f} | {us:.1f} |")
     return 0

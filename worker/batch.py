@@ -16,6 +16,7 @@ import torch
 from evenflow.protocol import NewRequestData, SchedulerOutput
 from evenflow.worker.attention.base import AttentionInputs
 from evenflow.worker.sampling_metadata import RequestSamplingState
+from evenflow.worker.staging import HostStaging
 
 
 @dataclass
@@ -53,6 +54,7 @@ class PersistentBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.device = device
+        self.staging = HostStaging(device)
         # +1: the token sampled after the last computed position is stored but never computed.
         self.max_tokens = max_model_len + 1
         self.max_blocks = -(-max_model_len // block_size) + 1
@@ -169,7 +171,8 @@ class PersistentBatch:
         block_table = self.block_table[rows, : -(-max_seq_len // bs)]
         sample_mask = seq_lens >= num_tokens
         logits_indices = cu[sample_mask] - 1
-        dev = self.device
+        stage = self.staging.to_device
+        self.staging.begin()
         seq_lens32 = seq_lens.astype(np.int32)
         attn = AttentionInputs(
             num_tokens=total,
@@ -178,22 +181,24 @@ class PersistentBatch:
             max_query_len=int(num_sched.max()),
             max_seq_len=max_seq_len,
             block_size=bs,
-            query_start_loc=_to(query_start_loc, dev),
-            seq_lens=_to(seq_lens32, dev),
-            block_table=_to(block_table, dev),
-            slot_mapping=_to(slots, dev),
+            query_start_loc=stage("query_start_loc", query_start_loc),
+            seq_lens=stage("seq_lens32", seq_lens32),
+            block_table=stage("block_table", block_table),
+            slot_mapping=stage("slots", slots),
             query_start_loc_np=query_start_loc,
             seq_lens_np=seq_lens32,
             block_table_np=block_table,
         )
-        return StepInputs(
+        step = StepInputs(
             requests=reqs,
-            input_ids=_to(input_ids, dev),
-            positions=_to(positions, dev),
+            input_ids=stage("input_ids", input_ids),
+            positions=stage("positions", positions),
             attn=attn,
-            logits_indices=_to(logits_indices.astype(np.int64), dev),
+            logits_indices=stage("logits_indices", logits_indices.astype(np.int64)),
             sample_mask=sample_mask,
         )
+        self.staging.end()
+        return step
 
     def append_sampled(self, sampled_reqs: list[RequestState], token_ids: np.ndarray) -> None:
         """Append each sampling request's new token to its list and its row."""
@@ -208,9 +213,3 @@ class PersistentBatch:
 
 def _num_computed(state: RequestState) -> int:
     return state.num_computed_tokens
-
-
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """numpy -> torch without a copy on CPU; one host-to-device copy elsewhere."""
-    t = torch.from_numpy(np.ascontiguousarray(array))
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)

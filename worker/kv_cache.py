@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import psutil
 import torch
 from evenflow.worker.attention.base import KVCache
@@ -27,16 +29,41 @@ def cpu_num_blocks(block_bytes: int, kv_cache_memory: int | None, world_size: in
     return budget // block_bytes
 
 
-def cuda_num_blocks(block_bytes: int, device: torch.device) -> int:
-    """Blocks that fit in device memory after the weights and the profiling forward's peak."""
+@dataclass(frozen=True)
+class CudaMemory:
+    """Device memory after the weights are loaded and one largest step (forward + sampler) ran."""
+
+    total: int
+    used: int  # in use by anything now (weights, CUDA context, other processes), cache emptied
+    activation_peak: int  # what the largest step allocated on top of what stays allocated
+
+
+def measure_cuda_memory(device: torch.device) -> CudaMemory:
+    """Read the device after a profiling step that ran since ``torch.cuda.reset_peak_memory_stats``."""
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    peak_used = total - free
-    peak_alloc = torch.cuda.max_memory_allocated(device)
-    current_alloc = torch.cuda.memory_allocated(device)
-    # Activations freed after profiling still have to fit next to the cache at run time.
-    activation_peak = max(peak_alloc - current_alloc, 0)
-    budget = int(total * CUDA_MEMORY_UTILIZATION) - peak_used - activation_peak
-    return max(budget, 0) // block_bytes
+    peak = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+    return CudaMemory(total=total, used=total - free, activation_peak=max(peak, 0))
+
+
+def cuda_num_blocks(block_bytes: int, memory: CudaMemory, kv_cache_memory: int | None) -> int:
+    """Blocks for ``kv_cache_memory`` bytes when given (as vLLM's ``--kv-cache-memory``: it replaces
+    the utilization share), else for what fits under ``CUDA_MEMORY_UTILIZATION`` of the device.
+
+    Activations freed after profiling still have to fit next to the cache at run time, so they
+    are subtracted either way; a request larger than what is left is refused, not deferred to an
+    out-of-memory error in the middle of serving.
+    """
+    room = memory.total - memory.used - memory.activation_peak
+    if kv_cache_memory is None:
+        budget = int(memory.total * CUDA_MEMORY_UTILIZATION) - memory.used - memory.activation_peak
+        return max(budget, 0) // block_bytes
+    if kv_cache_memory > room:
+        gib = 2**30
+        raise ValueError(f"--kv-cache-memory {kv_cache_memory / gib:.2f} GiB does not fit on the device: "
+                         f"{max(room, 0) / gib:.2f} GiB are left after the weights ({memory.used / gib:.2f} GiB in "
+                         f"use) and the largest step's activations ({memory.activation_peak / gib:.2f} GiB)")
+    return kv_cache_memory // block_bytes
 
 
 def allocate_kv_cache(

@@ -7,7 +7,10 @@ Protocol with the engine-core (see protocol/README.md, "engine-core <-> workers"
 number of KV blocks this rank can hold; allocate what InitKVCache says; then run every
 SchedulerOutput in order (rank 0 sends each ModelRunnerOutput back) until WorkerShutdown.
 Any exception is reported as WorkerError (the root cause travels to the frontends) before exit 1.
-The process also exits when its parent (the engine-core) dies, so nothing is left behind.
+The process also exits when its parent (the engine-core, or a headless launcher) dies, so nothing
+is left behind. Ranks on another host than the engine-core (``secure_link``) connect over TCP as
+CURVE clients keyed by the shared secret in ``$EVENFLOW_DIST_SECRET``, and stop with an error when
+their connection to the engine-core drops.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ from typing import Sequence
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from evenflow.protocol import (
     EngineToWorker, InitKVCache, ModelRunnerOutput, SchedulerOutput, WorkerConfig, WorkerError,
     WorkerReady, WorkerShutdown,
 )
+from evenflow.protocol.link_auth import SECRET_ENV, derive_link_keys, secure_client
 
 from .fault_injection import FaultInjector
 
@@ -56,17 +61,48 @@ class StepTracker:
     step_id: int = -1
 
 
+def connect(ctx: zmq.Context, kind: int, address: str, cfg: WorkerConfig) -> zmq.Socket:
+    """A socket to the engine-core; over TCP to another host it is a CURVE client with heartbeats."""
+    sock = ctx.socket(kind)
+    if cfg.secure_link:
+        secure_client(sock, derive_link_keys(os.environ.get(SECRET_ENV, "").encode()))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)
+    if kind == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(address)
+    return sock
+
+
+class EngineWatch:
+    """Over TCP: the engine-core is lost when the step link, once up, disconnects."""
+
+    def __init__(self, sub: zmq.Socket) -> None:
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._up = False
+
+    def recv(self, sub: zmq.Socket) -> zmq.Frame:
+        while not sub.poll(250):
+            while self._monitor.poll(0):
+                event = recv_monitor_message(self._monitor)
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._up = True
+                elif self._up:
+                    raise ConnectionError(f"lost the engine-core at {event['endpoint'].decode(errors='replace')}")
+        return sub.recv(copy=False)
+
+    def close(self) -> None:
+        self._monitor.close(0)
+
+
 def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
     """Run the handshake and the step loop until WorkerShutdown (raises on any failure)."""
     from evenflow.worker.runner import ModelRunner  # imports torch: after the sockets are up
 
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(cfg.engine_input_addr)
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDHWM, 0)
-    push.connect(cfg.engine_output_addr)
+    sub = connect(ctx, zmq.SUB, cfg.engine_input_addr, cfg)
+    push = connect(ctx, zmq.PUSH, cfg.engine_output_addr, cfg)
+    watch = EngineWatch(sub) if cfg.secure_link else None
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(EngineToWorker).decode
     runner = ModelRunner(cfg)
@@ -77,7 +113,7 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
                                      str(runner.dtype), str(runner.device))))
         idle_since = time.perf_counter()
         while True:
-            frame = sub.recv(copy=False)
+            frame = sub.recv(copy=False) if watch is None else watch.recv(sub)
             wait_s = time.perf_counter() - idle_since
             msg = decode(frame.buffer)
             if isinstance(msg, SchedulerOutput):
@@ -99,6 +135,8 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
             idle_since = time.perf_counter()
     finally:
         runner.shutdown()
+        if watch is not None:
+            watch.close()
         push.close(linger=2000)
         sub.close(0)
 
@@ -124,8 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as e:  # report the root cause to the engine before dying
         traceback.print_exc()
         text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        push = ctx.socket(zmq.PUSH)
-        push.connect(cfg.engine_output_addr)
+        push = connect(ctx, zmq.PUSH, cfg.engine_output_addr, cfg)
         push.send(msgspec.msgpack.encode(WorkerError(cfg.rank, text, tracker.step_id)))
         push.close(linger=2000)
         return 1

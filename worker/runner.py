@@ -14,34 +14,51 @@ ModelRunnerOutput.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
 import torch
 from evenflow.protocol import ModelRunnerOutput, SchedulerOutput, TokenLogprobs, WorkerConfig
-from evenflow.worker.attention.base import AttentionInputs
 from evenflow.worker.attention.selector import select_backend
 from evenflow.worker.batch import PersistentBatch, RequestState, StepInputs
 from evenflow.worker.config_reader import read_model_config
-from evenflow.worker.kv_cache import allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks
+from evenflow.worker.device_timer import ForwardTimer
+from evenflow.worker.kv_cache import (
+    allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks, measure_cuda_memory,
+)
 from evenflow.worker.loader import load_weights, resolve_dtype
 from evenflow.worker.models.registry import build_model
 from evenflow.worker.parallel import destroy_tensor_parallel, init_tensor_parallel
 from evenflow.worker.sampler import Sampler
 from evenflow.worker.sampling_metadata import SamplingMetadata
+from evenflow.worker.synthetic_steps import SyntheticStep, heaviest_sampling, synthetic_step, warmup_shapes
 from evenflow.worker.threads import ThreadSetter, plan_step_threads, step_flops
 
 log = logging.getLogger("evenflow.worker.runner")
 
 
-def resolve_device(requested: str, rank: int) -> torch.device:
-    """``auto``: this rank's CUDA device when there is one, else the CPU."""
+def resolve_device(requested: str, rank: int, world_size: int = 1) -> torch.device:
+    """``auto``: this rank's CUDA device when there is one, else the CPU.
+
+    Ranks never share a GPU: two ranks on one device would split its memory and serialize their
+    kernels, which is slower than one rank, so that is refused with what to change.
+    """
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(requested)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-    return device
+    if device.type != "cuda":
+        return device
+    visible = torch.cuda.device_count()
+    if device.index is not None and world_size > 1:
+        raise ValueError(f"--device {requested} pins all {world_size} tensor-parallel ranks to one GPU; "
+                         f"use --device cuda (rank i runs on GPU i)")
+    if world_size > visible:
+        raise ValueError(f"--tensor-parallel-size {world_size} needs {world_size} GPUs, one per rank, but "
+                         f"{visible} {'is' if visible == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): lower --tensor-parallel-size "
+                         f"or make more GPUs visible")
+    return device if device.index is not None else torch.device("cuda", rank)
 
 
 class ModelRunner:
@@ -49,7 +66,7 @@ class ModelRunner:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.device = resolve_device(config.device, config.rank)
+        self.device = resolve_device(config.device, config.rank, config.world_size)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init_addr, self.device)
@@ -74,6 +91,7 @@ class ModelRunner:
                                 self.torch_dtype)
         self.batch = PersistentBatch(config.max_num_seqs, config.max_model_len, self.block_size, self.device)
         self.sampler = Sampler()
+        self.forward_timer = ForwardTimer(self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.vocab_size = cfg.vocab_size
@@ -89,35 +107,56 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.device.type == "cuda":
-            self.profile_forward()
             torch.cuda.empty_cache()
-            return cuda_num_blocks(self._block_bytes(), self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)  # the peak of this profile, not of loading
+            self.profile_forward()
+            return cuda_num_blocks(self._block_bytes(), measure_cuda_memory(self.device), self.config.kv_cache_memory)
         return cpu_num_blocks(self._block_bytes(), self.config.kv_cache_memory, self.config.world_size)
 
     def profile_forward(self) -> None:
-        """One forward at the largest step (max_num_batched_tokens, max_num_seqs samples) on a
-        scratch cache, so that activation memory is measured before the real cache is sized."""
+        """The largest step (max_num_batched_tokens, max_num_seqs samples) on a scratch cache, then
+        the sampler's costliest path on its logits, so that the activation and sampling memory is
+        measured before the real cache is sized."""
         tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
-        num_blocks = -(-tokens // self.block_size)
-        caches = allocate_kv_cache(self.model_config.num_layers, num_blocks, self.block_size,
-                                   self.model.num_kv_heads, self.model_config.head_dim, self.torch_dtype, self.device)
-        dev = self.device
-        block_table = np.arange(num_blocks, dtype=np.int32)[None, :]
-        qsl = np.array([0, tokens], dtype=np.int32)
-        seq_lens = np.array([tokens], dtype=np.int32)
-        inputs = AttentionInputs(
-            num_tokens=tokens, num_reqs=1, num_decodes=0, max_query_len=tokens, max_seq_len=tokens,
-            block_size=self.block_size, query_start_loc=torch.from_numpy(qsl).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev), block_table=torch.from_numpy(block_table).to(dev),
-            slot_mapping=torch.arange(tokens, device=dev), query_start_loc_np=qsl, seq_lens_np=seq_lens,
-            block_table_np=block_table,
-        )
+        step = synthetic_step([tokens], [tokens], self.block_size, self.device)
         num_samples = min(self.config.max_num_seqs, tokens)
-        logits_indices = torch.arange(tokens - num_samples, tokens, device=dev)
+        step.logits_indices = torch.arange(tokens - num_samples, tokens, device=self.device)
+        caches = self._scratch_caches(step.num_blocks)
         with torch.inference_mode():
-            self.model(torch.zeros(tokens, dtype=torch.long, device=dev), torch.arange(tokens, device=dev), caches,
-                       self.attn, self.attn.plan(inputs), logits_indices)
-        del caches
+            logits = self._run_synthetic(step, caches)
+            logits.zero_()  # a flat distribution: top-p sorts the whole vocabulary
+            self.sampler(logits, heaviest_sampling(num_samples, self.vocab_size, self.eos_token_ids, self.device))
+        del caches, logits
+
+    def warm_up(self) -> None:
+        """Run every step shape class once (see synthetic_steps.warmup_shapes), so that no kernel
+        compiles (Triton) or initializes (cuBLAS, the sampler's) while requests wait."""
+        c = self.config
+        for q_lens, ctx_lens in warmup_shapes(c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len,
+                                              self.block_size):
+            step = synthetic_step(q_lens, ctx_lens, self.block_size, self.device)
+            # The real cache's first blocks when it has them (no request holds a block yet, and they
+            # are zeroed again below), so the warm-up needs no memory beyond what was sized.
+            borrowed = bool(self.kv_caches) and step.num_blocks <= self.kv_caches[0][0].shape[0]
+            caches = self.kv_caches if borrowed else self._scratch_caches(step.num_blocks)
+            with torch.inference_mode():
+                logits = self._run_synthetic(step, caches)
+                self.sampler(logits, heaviest_sampling(len(q_lens), self.vocab_size, self.eos_token_ids, self.device))
+                self.sampler(logits, SamplingMetadata(num_reqs=len(q_lens), vocab_size=self.vocab_size))  # greedy
+                if borrowed:
+                    for k_cache, v_cache in caches:
+                        k_cache[: step.num_blocks].zero_()
+                        v_cache[: step.num_blocks].zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _scratch_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return allocate_kv_cache(self.model_config.num_layers, num_blocks, self.block_size, self.model.num_kv_heads,
+                                 self.model_config.head_dim, self.torch_dtype, self.device)
+
+    def _run_synthetic(self, step: SyntheticStep, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return self.model(step.input_ids, step.positions, caches, self.attn, self.attn.plan(step.attn),
+                          step.logits_indices)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer (K and V)."""
@@ -126,6 +165,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.model_config.num_layers, num_blocks, self.block_size,
                                            self.model.num_kv_heads, self.model_config.head_dim, self.torch_dtype,
                                            self.device)
+        if self.device.type == "cuda":
+            self.warm_up()
 
     # ------------------------------------------------------------------ steps
 
@@ -142,18 +183,20 @@ class ModelRunner:
         self.threads.before_step(self._step_flops(inputs), inputs.attn.num_tokens)
         plan = self.attn.plan(inputs.attn)
         t1 = time.perf_counter()
+        self.forward_timer.start()
         with torch.inference_mode():
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attn, plan,
                                 inputs.logits_indices)
-        t2 = time.perf_counter()
-        self.threads.after_step(t2 - t1)
+        self.forward_timer.stop()
         sampled_reqs = [s for s, m in zip(inputs.requests, inputs.sample_mask.tolist()) if m]
-        sampled, logprobs = self._sample(logits, sampled_reqs)
+        sampled, logprobs = self._sample(logits, sampled_reqs)  # the step's host synchronization
         self.batch.append_sampled(sampled_reqs, sampled)
         t3 = time.perf_counter()
+        forward_s = self.forward_timer.seconds()  # device time on CUDA, read after the sync
+        self.threads.after_step(forward_s)
         if self.tp.rank != 0:
             return None
-        return self._output(so.step_id, inputs, sampled, logprobs, t1 - t0, t2 - t1, t3 - t2)
+        return self._output(so.step_id, inputs, sampled, logprobs, t1 - t0, forward_s, max(t3 - t1 - forward_s, 0.0))
 
     def _step_flops(self, inputs: StepInputs) -> float:
         a = inputs.attn

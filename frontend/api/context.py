@@ -35,10 +35,12 @@ class ServingContext:
     model_root: str | None = None
     max_body_bytes: int = 0  # set from ServerConfig (DEFAULT_MAX_BODY_BYTES); 0 = the default
     created: int = field(default_factory=lambda: int(time.time()))
+    model_aliases: tuple[str, ...] = ()  # other names requests may use (the folder's base name)
 
     @property
-    def served_names(self) -> set[str]:
-        return {self.model_name}
+    def served_names(self) -> list[str]:
+        """Every name the model answers to, each once, the primary name first."""
+        return list(dict.fromkeys((self.model_name, *self.model_aliases)))
 
     def check_model(self, requested: str | None) -> None:
         check_model(requested, self.served_names)

@@ -15,6 +15,7 @@ from typing import Any, Callable, TypeVar
 import msgspec
 
 from evenflow.protocol import SamplingParams
+from evenflow.protocol.validation import Problem, check_context_length, check_prompt_token_ids, check_sampling_params
 
 from ..chat_template import ChatTemplateError, content_text, render_chat
 from ..tokenizer import Tokenizer
@@ -89,10 +90,14 @@ def _prompt_size(prompt: str | list[Any]) -> int:
 
 
 def _checked_ids(ids: list[int], vocab_size: int) -> list[int]:
-    for t in ids:
-        if not 0 <= t < vocab_size:
-            raise bad_request(f"prompt contains token id {t}, outside the vocabulary [0, {vocab_size})", "prompt")
+    _raise_if(check_prompt_token_ids(ids, vocab_size))
     return list(ids)
+
+
+def _raise_if(problem: Problem | None) -> None:
+    """A protocol validation Problem as OpenAI's 400, its field as ``param``."""
+    if problem is not None:
+        raise bad_request(problem.message, problem.field)
 
 
 def chat_prompt(req: ChatCompletionRequest | Any, tokenizer: Tokenizer, messages: list[ChatMessage]) -> list[int]:
@@ -180,29 +185,18 @@ def plan_choices(
     Without ``max_tokens`` (or ``req.max_tokens``), a choice gets ``default_max_tokens`` capped to
     the room left in the context, or all that room when ``default_max_tokens`` is None.
     """
-    if not prompt_ids:
-        raise bad_request("the prompt is empty (0 tokens)", "prompt")
+    _raise_if(check_prompt_token_ids(prompt_ids, vocab_size))
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
     prompt_len = len(prompt_ids)
     if max_tokens is None:
         max_tokens = req.max_tokens
-    if prompt_len >= max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-            f"{prompt_len} tokens, which leaves no room for a completion.",
-            "prompt",
-        )
+    _raise_if(check_context_length(prompt_len, None, max_model_len))
     if max_tokens is None:
         room = max_model_len - prompt_len  # vLLM's chat default: whatever room is left
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-    elif prompt_len + max_tokens > max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-            f"completion). Please reduce the prompt or max_tokens.",
-            "max_tokens",
-        )
+    else:
+        _raise_if(check_context_length(prompt_len, max_tokens, max_model_len))
     base = SamplingParams(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
@@ -218,12 +212,12 @@ def plan_choices(
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
     )
-    problem = base.validate(vocab_size)
-    if problem is not None:
-        raise bad_request(problem, problem.split(" ", 1)[0])
+    _raise_if(check_sampling_params(base, vocab_size))
+    params = fan_out(base, req.n)
+    _raise_if(check_sampling_params(params[-1]))  # the last choice's seed + n - 1 must still fit
     return ChoicePlan(
         prompt_token_ids=prompt_ids,
-        params=fan_out(base, req.n),
+        params=params,
         stop=stop_strings(req.stop),
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
@@ -244,6 +238,6 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-def check_model(requested: str | None, served: set[str]) -> None:
+def check_model(requested: str | None, served: list[str] | set[str]) -> None:
     if requested is not None and requested not in served:
-        raise APIError(404, f"The model `{requested}` does not exist. Served: {', '.join(sorted(served))}.", "model")
+        raise APIError(404, f"The model `{requested}` does not exist. Served: {', '.join(served)}.", "model")

@@ -14,7 +14,7 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
@@ -22,7 +22,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ..dp_router import RoutingConfig
 from ..metrics import FrontendMetrics, stats_log_line
+from ..reuse_port import bind_reuseport
 from ..tokenizer import Tokenizer
 from .chat import create_chat_completion
 from .completions import create_completion
@@ -53,6 +55,9 @@ class ServerConfig:
     frontend_name: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     curve_keys: str | None = None
+    # Data parallel: every engine-core's address (more than one: requests are routed among them).
+    engine_addresses: list[str] | None = None
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -104,8 +109,8 @@ async def _chat(ctx: ServingContext, request: Request) -> Any:
 
 
 async def _models(ctx: ServingContext, request: Request) -> Response:
-    card = ModelCard(ctx.model_name, ctx.created, ctx.max_model_len, root=ctx.model_root)
-    return _json(ModelList([card]))
+    cards = [ModelCard(name, ctx.created, ctx.max_model_len, root=ctx.model_root) for name in ctx.served_names]
+    return _json(ModelList(cards))
 
 
 async def _health(ctx: ServingContext, request: Request) -> Response:
@@ -148,7 +153,8 @@ async def _refresh_engine_stats(ctx: ServingContext, timeout: float) -> None:
     with contextlib.suppress(Exception):
         result = await asyncio.wait_for(ctx.client.call_utility("get_stats"), timeout=timeout)
         if getattr(result, "ok", False) and result.result is not None and not isinstance(result.result, bool):
-            ctx.metrics.set_engine_stats(result.result)
+            per_engine = getattr(ctx.client, "engine_stats", None)  # data parallel: each engine-core's own
+            ctx.metrics.set_engine_stats(result.result, per_engine=per_engine() if per_engine else None)
             return
     ctx.metrics.set_engine_stats(getattr(ctx.client, "stats", None))
 
@@ -177,16 +183,28 @@ async def _background(ctx: ServingContext, log_stats: bool) -> None:
 async def connect_context(config: ServerConfig, client: Any = None) -> ServingContext:
     """Connect to the engine-core, load the tokenizer, and make the handlers' context."""
     if client is None:
-        from ..client import EngineClient
-
-        client = EngineClient(config.engine_address, client_name=config.frontend_name or f"frontend-{os.getpid()}",
-                              curve_keys=config.curve_keys)
+        client = _engine_client(config)
     ready = await client.connect(timeout=config.connect_timeout)
     tokenizer = Tokenizer.from_dir(config.tokenizer or ready.model_path, chat_template=config.chat_template)
     name = config.served_model_name or ready.model_name
+    aliases = () if config.served_model_name else tuple(ready.model_aliases)
     metrics = FrontendMetrics(name, config.metrics_dir or os.environ.get("EVENFLOW_METRICS_DIR"), config.frontend_name)
     return ServingContext(client, tokenizer, name, ready.max_model_len, ready.vocab_size, metrics,
-                          api_key=config.api_key, model_root=ready.model_path, max_body_bytes=config.max_body_bytes)
+                          api_key=config.api_key, model_root=ready.model_path, model_aliases=aliases,
+                          max_body_bytes=config.max_body_bytes)
+
+
+def _engine_client(config: ServerConfig) -> Any:
+    """One engine-core: an EngineClient; several: a DataParallelClient routing among them."""
+    name = config.frontend_name or f"frontend-{os.getpid()}"
+    addresses = config.engine_addresses or [config.engine_address]
+    if len(addresses) > 1:
+        from ..dp_client import DataParallelClient
+
+        return DataParallelClient(addresses, name, config.routing, curve_keys=config.curve_keys)
+    from ..client import EngineClient
+
+    return EngineClient(addresses[0], client_name=name, curve_keys=config.curve_keys)
 
 
 def build_app(config: ServerConfig, context: Callable[[], Awaitable[ServingContext]] | None = None) -> Starlette:
@@ -222,11 +240,7 @@ def build_app(config: ServerConfig, context: Callable[[], Awaitable[ServingConte
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket with SO_REUSEPORT, so N frontend processes share one port."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    sock = bind_reuseport(host, port)
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock

@@ -96,8 +96,26 @@ def test_capacity_search_brackets_the_threshold() -> None:
     assert [p.rate for p in cap.probes][:4] == [0.5, 1.0, 2.0, 4.0]
 
 
-def test_peer_problem_without_venv(tmp_path: Path) -> None:
-    assert "no peer venv" in (peer_problem(tmp_path / "nope") or "")
+def test_peer_problem_without_venv_or_shim_points_at_the_docs(tmp_path: Path) -> None:
+    problem = peer_problem(tmp_path / "nope") or ""
+    assert "no peer venv" in problem and "docs/peer.md" in problem and "--peer-venv" in problem
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").touch()
+    assert "--peer-shim" in (peer_problem(tmp_path / "venv", tmp_path / "no_shim.py") or "")
+
+
+def test_peer_venv_and_shim_come_from_flags(tmp_path: Path) -> None:
+    from _bench_launch import add_server_args, server_config, server_spec
+    from _bench_server import DEFAULT_VLLM_SHIM
+
+    assert DEFAULT_VLLM_SHIM.is_file() and DEFAULT_VLLM_SHIM.parent.name == "scripts"  # shipped, not a dev path
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 64, "max_position_embeddings": 256}))
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    args = parser.parse_args(["--model-dir", str(tmp_path), "--peer-venv", "/v", "--peer-shim", "/s/cli.py",
+                              "--log-dir", str(tmp_path)])
+    spec = server_spec(args, "vllm", server_config(args, 64))
+    assert spec.argv[:3] == ["/v/bin/python", "/s/cli.py", "serve"]
 
 
 def test_bench_serving_interference_on_fake_server(fake_server: str, tmp_path: Path) -> None:
@@ -198,3 +216,10 @@ def test_bench_cpu_kernels_quick() -> None:
     attention = {line.split("]")[0].strip(): line for line in lines if "D [" in line}
     assert attention["3-D [H, n, D"].endswith("_scaled_dot_product_attention_math")
     assert attention["4-D [1, H, n, D"].endswith("_scaled_dot_product_flash_attention_for_cpu")
+
+
+def test_bench_dp_routing_smoke(tiny_llama: Path) -> None:
+    result = run_script("bench_dp_routing.py", ["--smoke", "--model", str(tiny_llama)], timeout_s=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [ln for ln in result.stdout.splitlines() if ln.startswith("| ") and "%" in ln]
+    assert [r.split("|")[1].strip() for r in rows] == ["prefix", "round_robin", "load"]

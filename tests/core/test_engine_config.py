@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,24 @@ def test_defaults_and_flags(model: str) -> None:
     assert "max_num_batched_tokens" in cfg.describe()
 
 
+def test_max_num_seqs_defaults_to_the_budget_when_smaller(model: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="evenflow.core.engine_config"):
+        cfg = config_from_args(["--model", model, "--max-num-batched-tokens", "64"])
+    assert cfg.max_num_seqs == 64 and "--max-num-seqs not given: using 64" in caplog.text
+    assert config_from_args(["--model", model]).max_num_seqs == 256  # vLLM's default when the budget allows it
+    assert config_from_args(["--model", model, "--max-num-batched-tokens", "32", "--max-num-seqs", "8"]).max_num_seqs == 8
+    with pytest.raises(ConfigError, match="leave --max-num-seqs out"):  # both given and conflicting: still an error
+        config_from_args(["--model", model, "--max-num-batched-tokens", "64", "--max-num-seqs", "256"])
+
+
+def test_policy_choices_come_from_the_scheduler(model: str) -> None:
+    from evenflow.core.config import SCHEDULING_POLICIES
+    for policy in SCHEDULING_POLICIES:
+        assert config_from_args(["--model", model, "--scheduling-policy", policy]).scheduling_policy == policy
+    with pytest.raises(SystemExit):
+        config_from_args(["--model", model, "--scheduling-policy", "lifo"])
+
+
 def test_parse_size() -> None:
     assert parse_size("512MB") == 512 * 10**6 and parse_size("1.5k") == 1500 and parse_size("42") == 42
 
@@ -38,6 +57,8 @@ def test_parse_size() -> None:
     (["--block-size", "24"], "power of two"),
     (["--tensor-parallel-size", "0"], "tensor-parallel-size"),
     (["--long-prefill-token-threshold", "-1"], "long-prefill"),
+    (["--max-model-len", "0"], "--max-model-len"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
 ])
 def test_invalid_combinations_are_named(model: str, flags: list[str], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):

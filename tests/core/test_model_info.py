@@ -32,7 +32,19 @@ def test_transformers5_rope_parameters_and_yarn(tmp_path: Path) -> None:
            "rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0,
                                "original_max_position_embeddings": 4096}}
     info = read_model_info(write(tmp_path / "q", cfg))
-    assert info.max_model_len == 16384 and info.eos_token_ids == [] and info.model_name == "q"
+    assert info.max_model_len == 16384 and info.eos_token_ids == []
+
+
+def test_served_under_the_model_string_as_given_with_the_base_name_as_alias(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = write(tmp_path / "models" / "Llama-3-8B", {"vocab_size": 10})
+    given = str(tmp_path / "models" / "." / "Llama-3-8B")  # as typed: not normalized, as vLLM serves it
+    info = read_model_info(given)
+    assert info.model_name == given and info.model_aliases == ("Llama-3-8B",)
+    assert read_model_info(folder, "served").model_aliases == ()  # --served-model-name replaces both, as in vLLM
+    monkeypatch.chdir(folder.parent)
+    bare = read_model_info("Llama-3-8B")  # the string already is the base name: no alias to add
+    assert bare.model_name == "Llama-3-8B" and bare.model_aliases == ()
 
 
 def test_tiny_llama_checkpoint(tiny_llama: Path) -> None:

@@ -122,6 +122,34 @@ def test_preemption_by_recompute_and_resumption_from_prefix_cache() -> None:
     assert resumed.num_scheduled_tokens["second"] == second.num_tokens - 1 - 12
 
 
+def test_stats_count_a_prompt_once_and_every_scheduled_token() -> None:
+    # Preemption and resumption: the prefix cache counts each prompt once (vLLM), while
+    # scheduled_tokens counts the recomputation the resumption costs.
+    scheduler = make_scheduler(num_kv_blocks=8, max_model_len=32)
+    worker = FakeWorker(8, 4)
+    add(scheduler, "first", 14, arrival=0)
+    second = add(scheduler, "second", 14, arrival=1, first_token=20)
+    total_scheduled = 0
+    for _ in range(8):
+        output = run_step(scheduler, worker)
+        total_scheduled += output.total_num_scheduled_tokens
+        if output.preempted_req_ids:
+            break
+    assert second.status == RequestStatus.PREEMPTED
+    queries_before = scheduler.get_stats().prefix_cache_queries
+    assert queries_before == 28  # both prompts, once each
+    scheduler.abort_requests(["first"])
+    resumed = run_step(scheduler, worker)  # "second" finds 12 of its tokens in the cache again
+    total_scheduled += resumed.total_num_scheduled_tokens
+    stats = scheduler.get_stats()
+    assert resumed.scheduled_cached_reqs[0].resumed_from_preemption
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (queries_before, 0)
+    # 28 prompt tokens, two decode steps of 2, one of 1 ("second" preempted), then "second"'s 17
+    # tokens minus the 12 cached: 2 prompt tokens and its 3 output tokens computed again.
+    assert resumed.num_scheduled_tokens["second"] == 5
+    assert stats.num_scheduled_tokens == total_scheduled == 28 + 2 + 2 + 1 + 5
+
+
 def test_no_request_is_admitted_in_a_step_that_preempted() -> None:
     scheduler = make_scheduler(num_kv_blocks=8, max_model_len=32, policy="priority")
     worker = FakeWorker(8, 4)
@@ -355,9 +383,10 @@ def test_add_request_rejects_duplicates_and_bad_prompts() -> None:
     ("overrides", "message"),
     [
         (dict(num_kv_blocks=0), "num_kv_blocks"),
-        (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
-        (dict(policy="lifo"), "policy"),
-        (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
+        (dict(max_num_batched_tokens=0), "--max-num-batched-tokens"),
+        (dict(policy="lifo"), "--scheduling-policy must be one of fcfs, priority"),
+        (dict(long_prefill_token_threshold=-1), "--long-prefill-token-threshold"),
+        (dict(block_size=12), "power of two"),
         (dict(num_kv_blocks=3, block_size=16, max_model_len=64), "max_model_len"),
     ],
 )

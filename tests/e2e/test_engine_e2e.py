@@ -195,7 +195,9 @@ def test_malformed_frames_and_invalid_requests_get_errors(engine: EngineProcess,
         assert isinstance(ask(codec.encode(Hello(PROTOCOL_VERSION, "raw"))), Ready)
         assert error_of(os.urandom(64)).code == "bad_frame"
         assert error_of(msgspec.msgpack.encode(["launch_missiles", 1])).code == "bad_frame"
-        assert error_of(msgspec.msgpack.encode(["request", "r", "not a list"])).code == "bad_frame"
+        not_a_list = error_of(msgspec.msgpack.encode(["request", "r", "not a list"]))  # the id is readable
+        assert (not_a_list.code, not_a_list.request_id) == ("invalid_request", "r")
+        assert not_a_list.message.startswith("prompt_token_ids")
         assert error_of(b"\x00" * 70000).code == "bad_frame"  # over --max-frame-bytes 65536
         neg = error_of(codec.encode(AddRequest("n", [1, 2], SamplingParams(max_tokens=-1))))
         assert (neg.code, neg.request_id) == ("invalid_request", "n") and "max_tokens" in neg.message
@@ -280,6 +282,19 @@ def test_spec_only_wire_client_streams_greedy_tokens(engine: EngineProcess, tiny
     assert run.returncode == 0, run.stderr
     assert [int(t) for t in run.stdout.split()] == reference_greedy(tiny_llama, [1, 5, 9], 8)
     assert "finished: length" in run.stderr
+
+
+def test_spec_only_wire_client_checks_every_rule_of_the_readme(tiny_llama: Path, tmp_path: Path) -> None:
+    eng = start_engine(tiny_llama, tmp_path, *BASE_FLAGS, "--num-kv-blocks", "64", "--client-timeout", "1")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "wire_client.py"
+    try:
+        run = subprocess.run([sys.executable, str(script), "--engine", eng.address, "--check", "--client-timeout",
+                              "1"], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        lines = run.stdout.splitlines()
+        assert len(lines) == 13 and all(line.startswith("ok ") for line in lines), run.stdout
+    finally:
+        eng.stop()
 
 
 def test_workers_exit_when_the_engine_core_is_killed(tiny_llama: Path, tmp_path: Path) -> None:

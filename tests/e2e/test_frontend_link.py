@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 from evenflow.core.frontend_link import ClientGone, ClientMessage, FrontendLink
 from evenflow.protocol import (
     PROTOCOL_VERSION, Abort, AddRequest, Codec, EngineToFrontend, Error, Heartbeat, Hello, Outputs, Ready,
-    RequestOutput, SamplingParams, SchedulerStats,
+    RequestOutput, SamplingParams, SchedulerStats, UtilityCall,
 )
 
 READY = Ready(PROTOCOL_VERSION, "m", "/m", 64, 100, [2], 16, 32, 256, "eid")
@@ -106,7 +106,6 @@ def test_message_before_hello_is_refused(peer: Peer, link: FrontendLink) -> None
     b"\xc1garbage",                                              # not msgpack
     msgspec.msgpack.encode(["no_such_tag", 1]),                  # unknown tag
     msgspec.msgpack.encode(["request", 5, [1, 2]]),              # request_id of the wrong type
-    msgspec.msgpack.encode(["request", "r", ["x"]]),             # token ids of the wrong type
     msgspec.msgpack.encode({"not": "an array"}),
     b"",
     msgspec.msgpack.encode(["request", "r", list(range(2000))]),  # over MAX_FRAME bytes
@@ -117,6 +116,99 @@ def test_bad_frames_get_an_error_and_the_link_keeps_serving(peer: Peer, link: Fr
     expect_error(peer, "bad_frame")
     peer.send(Heartbeat())
     assert isinstance(peer.recv(), Outputs)
+    assert link.inbox.empty()
+
+
+@pytest.mark.parametrize("sampling_params, fragment", [
+    ({"max_tokens": 16.0}, "sampling_params.max_tokens"),
+    ({"ignore_eos": 1}, "sampling_params.ignore_eos"),
+    ({"n": 2}, "unknown key `n`"),
+    ({"seed": 2**64 - 1}, "sampling_params.seed"),
+    ({"stop_token_ids": [1, 2**63]}, "sampling_params.stop_token_ids[1]"),
+    ([16], "sampling_params: Expected `map`"),
+])
+def test_bad_sampling_params_are_refused_with_the_request_id_and_the_field(
+        peer: Peer, link: FrontendLink, sampling_params: object, fragment: str) -> None:
+    peer.hello()
+    peer.sock.send(msgspec.msgpack.encode(["request", "r7", [1, 2], sampling_params]))
+    err = expect_error(peer, "invalid_request", "r7")
+    assert fragment in err.message
+    assert link.inbox.empty()
+
+
+@pytest.mark.parametrize("frame, fragment", [
+    (["request", "r7", ["x"]], "prompt_token_ids[0]: Expected `int`"),
+    (["request", "r7", [1, 2**64 - 1]], "prompt_token_ids[1]"),
+    (["request", "r7", [1], {}, 2**63], "priority"),
+    (["request", "r7", [1], {}, 0, "now"], "arrival_time"),
+])
+def test_bad_request_fields_are_refused_with_the_request_id(peer: Peer, link: FrontendLink, frame: list,
+                                                            fragment: str) -> None:
+    peer.hello()
+    peer.sock.send(msgspec.msgpack.encode(frame))
+    assert fragment in expect_error(peer, "invalid_request", "r7").message
+    assert link.inbox.empty()
+
+
+@pytest.mark.parametrize("frame, fragment", [
+    (["utility", 2**63, "get_stats"], "call_id"),
+    (["hello", 2**64 - 1], "protocol_version"),
+])
+def test_integers_outside_int64_are_bad_frames(peer: Peer, link: FrontendLink, frame: list, fragment: str) -> None:
+    peer.hello()
+    # (msgpack has no integer below int64's minimum: uint64 is the only way out of range)
+    peer.sock.send(msgspec.msgpack.encode(frame))
+    err = expect_error(peer, "bad_frame")
+    assert fragment in err.message and "int64" in err.message
+    peer.send(UtilityCall(2**63 - 1, "get_stats"))  # the largest int64 is fine
+    assert link.inbox.get(timeout=5).msg.call_id == 2**63 - 1
+
+
+def test_arity_errors_count_fields_after_the_tag_both_ways(peer: Peer) -> None:
+    peer.hello()
+    peer.sock.send(msgspec.msgpack.encode(["request", "r"]))
+    few = expect_error(peer, "bad_frame").message
+    peer.sock.send(msgspec.msgpack.encode(["request", "r", [1], {}, 0, 0.0, 0.0, "extra"]))
+    many = expect_error(peer, "bad_frame").message
+    rule = "`request` takes 2 to 6 fields after its tag"
+    assert few.startswith(rule) and few.endswith("got 1"), few
+    assert many.startswith(rule) and many.endswith("got 7"), many
+    peer.sock.send(msgspec.msgpack.encode(["utility", 1]))
+    assert expect_error(peer, "bad_frame").message.startswith("`utility` takes 2 fields after its tag")
+
+
+def test_before_hello_bad_frames_come_first_then_no_hello_in_wire_words(peer: Peer, link: FrontendLink) -> None:
+    peer.sock.send(b"\xc1")
+    expect_error(peer, "bad_frame")  # undecodable: bad_frame even before hello
+    peer.sock.send(msgspec.msgpack.encode(["request", "r", [1], {"n": 2}]))
+    assert expect_error(peer, "no_hello").message == "send hello before request"
+    peer.send(Heartbeat())
+    assert expect_error(peer, "no_hello").message == "send hello before heartbeat"
+    peer.send(Abort(["r"]))
+    assert expect_error(peer, "no_hello").message == "send hello before abort"
+    assert link.inbox.empty()
+
+
+def test_hello_again_keeps_the_clients_live_requests(peer: Peer, link: FrontendLink) -> None:
+    peer.hello()
+    peer.send(AddRequest("r1", [1, 2, 3]))
+    first = link.inbox.get(timeout=5)
+    peer.hello()  # answered with ready; the client stays the same client
+    link.send(first.identity, Outputs([RequestOutput("r1", [7])]))
+    out = peer.recv()
+    assert isinstance(out, Outputs) and out.outputs[0].request_id == "r1"
+    peer.send(AddRequest("r2", [1]))
+    second = link.inbox.get(timeout=5)
+    assert isinstance(second, ClientMessage) and second.client_index == first.client_index
+    assert link.inbox.empty()  # no ClientGone
+
+
+def test_wrong_version_hello_from_a_registered_client_changes_nothing(peer: Peer, link: FrontendLink) -> None:
+    peer.hello()
+    peer.send(Hello(PROTOCOL_VERSION + 1, "confused"))
+    assert expect_error(peer, "version_mismatch").fatal
+    peer.send(Heartbeat())
+    assert isinstance(peer.recv(), Outputs)  # still registered
     assert link.inbox.empty()
 
 
@@ -175,15 +267,45 @@ def test_closed_socket_is_noticed_long_before_the_timeout(ctx: zmq.Context, tmp_
     assert isinstance(b.recv(), Outputs)  # the other client is untouched (probes are empty Outputs)
 
 
-def test_silent_client_is_dropped(ctx: zmq.Context, tmp_path: Path) -> None:
+def test_silent_client_is_dropped_and_told_so(ctx: zmq.Context, tmp_path: Path) -> None:
     lk = make_link(ctx, tmp_path, client_timeout=0.5)
     try:
         p = Peer(ctx, f"ipc://{tmp_path}/link.sock")
         p.hello()
+        p.send(AddRequest("old", [1]))
+        identity = lk.inbox.get(timeout=3).identity
         gone = lk.inbox.get(timeout=3)
         assert isinstance(gone, ClientGone) and "silent" in gone.reason
+        told = expect_error(p, "no_hello")  # unsolicited: the client sent nothing since
+        assert "dropped" in told.message and "send hello, then resubmit" in told.message
+        # Until the engine loop has handled the ClientGone, what it sends that client is stale.
+        lk.send(identity, Outputs([RequestOutput("old", [5])]))
         p.send(Heartbeat())
-        expect_error(p, "no_hello")  # forgotten: it must say Hello again
+        expect_error(p, "no_hello")  # forgotten: it must say hello again
+        p.hello()
+        p.send(AddRequest("old", [1]))  # the same id, resubmitted
+        assert lk.inbox.get(timeout=3).msg.request_id == "old"
+        lk.gone_handled(identity)
+        lk.send(identity, Outputs([RequestOutput("old", [6])]))
+        out = p.recv()
+        assert isinstance(out, Outputs) and out.outputs[0].new_token_ids == [6], out  # [5] never came
+    finally:
+        lk.close()
+
+
+def test_frames_over_twice_the_limit_drop_the_connection(ctx: zmq.Context, tmp_path: Path) -> None:
+    lk = make_link(ctx, tmp_path)
+    try:
+        p = Peer(ctx, f"ipc://{tmp_path}/link.sock")
+        p.hello()
+        p.sock.send(b"\x00" * (2 * MAX_FRAME))  # the largest frame that still gets an answer
+        assert "exceeds the limit of 4096" in expect_error(p, "bad_frame").message
+        p.sock.send(b"\x00" * (2 * MAX_FRAME + 1))  # ZMQ_MAXMSGSIZE: the connection is closed
+        gone = lk.inbox.get(timeout=5)
+        assert isinstance(gone, ClientGone) and gone.reason == "disconnected"
+        assert not p.sock.poll(200)  # no answer to that frame
+        p.send(Heartbeat())  # the DEALER reconnected by itself, as a new peer
+        expect_error(p, "no_hello")
     finally:
         lk.close()
 

@@ -13,13 +13,14 @@ class FakeEngineClient:
     """Yields ``script`` (cycled) token ids, ``tokens_per_step`` at a time, until max_tokens."""
 
     def __init__(self, model_path: str, script: list[int], max_model_len: int = 256, vocab_size: int = 8192,
-                 tokens_per_step: int = 1, step_delay: float = 0.0) -> None:
+                 tokens_per_step: int = 1, step_delay: float = 0.0, model_aliases: tuple[str, ...] = ()) -> None:
         self.model_path = model_path
         self.script = script
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.tokens_per_step = tokens_per_step
         self.step_delay = step_delay
+        self.model_aliases = model_aliases
         self.ready: Ready | None = None
         self.stats: SchedulerStats | None = SchedulerStats()
         self.aborted: list[str] = []  # requests aborted while live (deduplicated)
@@ -29,7 +30,8 @@ class FakeEngineClient:
         self.refuse: tuple[str, str] | None = None  # (code, message): refuse every request with it
 
     async def connect(self, timeout: float = 30.0) -> Ready:
-        self.ready = Ready(1, "fake-model", self.model_path, self.max_model_len, self.vocab_size, [1], 16, 100, 64, "fake")
+        self.ready = Ready(1, "fake-model", self.model_path, self.max_model_len, self.vocab_size, [1], 16, 100, 64, "fake",
+                           model_aliases=list(self.model_aliases))
         return self.ready
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,

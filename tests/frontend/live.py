@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -63,6 +64,7 @@ def tail(logs: list[Path], n: int = 25) -> str:
     return "\n".join(out)
 
 
-def metric(text: str, line_start: str) -> float:
-    """Sum of samples whose line starts with ``line_start``."""
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(line_start))
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples named ``name`` whose labels include ``labels`` (parsed as Prometheus does)."""
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())

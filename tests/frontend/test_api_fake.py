@@ -234,7 +234,7 @@ def test_engine_unavailable_is_503(demo_model_dir: Path) -> None:
         # A stream is refused before its status too: 503 + Retry-After, never 200 and then an error.
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})
         assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == 503
-        assert 'evenflow:request_rejected_total{model_name="fake-model",reason="engine_unavailable"} 2' in \
+        assert 'evenflow:request_rejected_total{model_name="fake-model",reason="engine_unavailable"} 2.0' in \
             c.get("/metrics").text
 
 
@@ -262,3 +262,17 @@ def test_disconnect_mid_stream_aborts_engine_request(demo_model_dir: Path, demo_
     asyncio.run(main())
     assert len(sent) > 3  # it was streaming
     assert sorted(fake.aborted) == ["req-0", "req-1"] and not fake.live
+
+
+def test_model_answers_to_its_name_and_alias_each_listed_once(demo_model_dir: Path, demo_tokenizer: Tokenizer) -> None:
+    # The engine serves under the --model string as given (vLLM) and names the folder's base name
+    # as an alias, so clients of either convention work; /v1/models lists each name once.
+    fake = FakeEngineClient(str(demo_model_dir), demo_tokenizer.encode(TEXT), model_aliases=("base", "fake-model"))
+    with _client(demo_model_dir, fake) as http:
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["fake-model", "base"]
+        for name in ("fake-model", "base"):
+            assert http.post("/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert http.post("/v1/completions", json={"model": "other", "prompt": "hi"}).status_code == 404
+    with _client(demo_model_dir, fake, served_model_name="mine") as http:  # an explicit name replaces both
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["mine"]
+        assert http.post("/v1/completions", json={"model": "base", "prompt": "hi"}).status_code == 404

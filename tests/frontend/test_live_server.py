@@ -114,7 +114,7 @@ def test_disconnect_frees_kv_blocks(server: Server) -> None:
                 pass
         during = server.metrics()
         assert metric(during, "evenflow:kv_cache_usage_perc") > 0 and metric(during, "evenflow:num_requests_running") == 1
-        aborted_before = metric(during, 'evenflow:request_success_total{model_name="demo",finished_reason="abort"}')
+        aborted_before = metric(during, "evenflow:request_success_total", model_name="demo", finished_reason="abort")
     # The connection is closed here, mid-stream.
     # 450 tokens would take many seconds; freed blocks show up long before.
     deadline = time.monotonic() + 5
@@ -122,7 +122,8 @@ def test_disconnect_frees_kv_blocks(server: Server) -> None:
         m = server.metrics()
         if metric(m, "evenflow:num_requests_running") == 0 and metric(m, "evenflow:kv_cache_usage_perc") == 0:
             time.sleep(1.2)  # the serving frontend's snapshot reaches the shared folder
-            aborted = metric(server.metrics(), 'evenflow:request_success_total{model_name="demo",finished_reason="abort"}')
+            aborted = metric(server.metrics(), "evenflow:request_success_total", model_name="demo",
+                             finished_reason="abort")
             assert aborted == aborted_before + 1
             break
         time.sleep(0.2)

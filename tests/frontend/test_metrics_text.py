@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from evenflow.frontend.metrics import FrontendMetrics, merge_snapshots, render_prometheus, stats_log_line
+from prometheus_client.parser import text_string_to_metric_families
+
+from evenflow.frontend.metrics import ENGINE_METRICS, TTFT_BUCKETS, FrontendMetrics, merge_snapshots, render_prometheus, stats_log_line
 from evenflow.protocol import SchedulerStats
 
 
@@ -15,9 +17,11 @@ def _serve_one(m: FrontendMetrics, tokens: int, reason: str) -> None:
     m.on_finish(t, reason, 100.5)
 
 
-def _value(text: str, line_start: str) -> float:
-    [line] = [ln for ln in text.splitlines() if ln.startswith(line_start)]
-    return float(line.rsplit(" ", 1)[1])
+def _value(text: str, name: str, **labels: str) -> float:
+    """The one sample named ``name`` with (at least) ``labels``."""
+    [value] = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items()]
+    return value
 
 
 def test_render_has_every_family_and_valid_histograms() -> None:
@@ -25,25 +29,26 @@ def test_render_has_every_family_and_valid_histograms() -> None:
     _serve_one(m, 5, "length")
     m.set_engine_stats(SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_preemptions=3,
                                       prefix_cache_queries=100, prefix_cache_hits=40, num_steps=7,
-                                      num_prompt_tokens=30, num_generation_tokens=12, worker_forward_s=1.5))
+                                      num_prompt_tokens=30, num_generation_tokens=12, worker_forward_s=1.5,
+                                      num_scheduled_tokens=45))
     text = m.render()
     for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
                  "prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total",
                  "generation_tokens_total", "request_success_total", "time_to_first_token_seconds",
                  "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"]:
         assert f"# TYPE evenflow:{name} " in text, name
-    assert _value(text, 'evenflow:num_requests_running{model_name="demo"}') == 2
-    assert _value(text, 'evenflow:kv_cache_usage_perc{') == 0.25
-    assert _value(text, 'evenflow:num_steps_total{') == 7
-    assert _value(text, 'evenflow:scheduled_tokens_total{') == 42
-    assert _value(text, 'evenflow:worker_forward_seconds_total{') == 1.5
-    assert _value(text, 'evenflow:generation_tokens_total{') == 5
-    assert _value(text, 'evenflow:request_success_total{model_name="demo",finished_reason="length"}') == 1
-    assert _value(text, 'evenflow:time_to_first_token_seconds_bucket{model_name="demo",le="0.25"}') == 1
-    assert _value(text, 'evenflow:time_to_first_token_seconds_bucket{model_name="demo",le="0.1"}') == 0
-    assert _value(text, 'evenflow:time_to_first_token_seconds_bucket{model_name="demo",le="+Inf"}') == 1
-    assert abs(_value(text, "evenflow:e2e_request_latency_seconds_sum{") - 0.5) < 1e-9
-    assert _value(text, "evenflow:inter_token_latency_seconds_count{") == 1
+    assert _value(text, "evenflow:num_requests_running", model_name="demo") == 2
+    assert _value(text, "evenflow:kv_cache_usage_perc") == 0.25
+    assert _value(text, "evenflow:num_steps_total") == 7
+    assert _value(text, "evenflow:scheduled_tokens_total") == 45  # the engine's sum of steps, not prompt + sampled
+    assert _value(text, "evenflow:worker_forward_seconds_total") == 1.5
+    assert _value(text, "evenflow:generation_tokens_total") == 5
+    assert _value(text, "evenflow:request_success_total", model_name="demo", finished_reason="length") == 1
+    assert _value(text, "evenflow:time_to_first_token_seconds_bucket", le="0.25", model_name="demo") == 1
+    assert _value(text, "evenflow:time_to_first_token_seconds_bucket", le="0.1", model_name="demo") == 0
+    assert _value(text, "evenflow:time_to_first_token_seconds_bucket", le="+Inf", model_name="demo") == 1
+    assert abs(_value(text, "evenflow:e2e_request_latency_seconds_sum") - 0.5) < 1e-9
+    assert _value(text, "evenflow:inter_token_latency_seconds_count") == 1
 
 
 def test_two_frontends_sum_requests_and_share_engine_stats(tmp_path: Path) -> None:
@@ -57,21 +62,30 @@ def test_two_frontends_sum_requests_and_share_engine_stats(tmp_path: Path) -> No
     a.write_snapshot()
     b.write_snapshot()
     for scraped in (a.render(), b.render()):  # whichever frontend the scrape lands on
-        assert _value(scraped, "evenflow:generation_tokens_total{") == 12
-        assert _value(scraped, "evenflow:prompt_tokens_total{") == 30
-        assert _value(scraped, 'evenflow:request_success_total{model_name="demo",finished_reason="stop"}') == 2
-        assert _value(scraped, 'evenflow:request_success_total{model_name="demo",finished_reason="abort"}') == 1
-        assert _value(scraped, "evenflow:num_requests_running{") == 7
-        assert _value(scraped, "evenflow:e2e_request_latency_seconds_count{") == 3
+        assert _value(scraped, "evenflow:generation_tokens_total") == 12
+        assert _value(scraped, "evenflow:prompt_tokens_total") == 30
+        assert _value(scraped, "evenflow:request_success_total", model_name="demo", finished_reason="stop") == 2
+        assert _value(scraped, "evenflow:request_success_total", model_name="demo", finished_reason="abort") == 1
+        assert _value(scraped, "evenflow:num_requests_running") == 7
+        assert _value(scraped, "evenflow:e2e_request_latency_seconds_count") == 3
 
 
 def test_merge_skips_a_corrupt_file(tmp_path: Path) -> None:
     (tmp_path / "frontend-9.json").write_text("{half")
     m = FrontendMetrics("demo", str(tmp_path), "frontend-0")
     _serve_one(m, 3, "length")
-    assert _value(m.render(), "evenflow:generation_tokens_total{") == 3
+    assert _value(m.render(), "evenflow:generation_tokens_total") == 3
     assert merge_snapshots([]).counters["evenflow:prompt_tokens_total"] == 0
     assert "model_name=\"a\\\"b\"" in render_prometheus(merge_snapshots([]), 'a"b')
+
+
+def test_every_declared_metric_is_exposed_with_vllm_buckets() -> None:
+    families = {f.name: f for f in text_string_to_metric_families(FrontendMetrics("demo").render())}
+    for m in ENGINE_METRICS:  # a counter family is named without its _total suffix
+        assert families[m.name.removesuffix("_total")].type == m.kind, m.name
+    ttft = families["evenflow:time_to_first_token_seconds"]
+    bounds = [float(s.labels["le"]) for s in ttft.samples if s.name.endswith("_bucket")]
+    assert bounds == [*TTFT_BUCKETS, float("inf")]  # vLLM's bounds, so its dashboards read ours
 
 
 def test_log_line_only_with_activity() -> None:

@@ -45,7 +45,7 @@ def test_overload_is_503_with_retry_after_before_any_status(http: TestClient, fa
     assert r.headers["retry-after"] == "1" and r.headers["content-type"] == "application/json"
     err = r.json()["error"]
     assert err["type"] == "ServiceUnavailableError" and "max_num_queued_reqs" in err["message"]
-    assert 'reason="max_num_queued_reqs"} 1' in http.get("/metrics").text
+    assert 'reason="max_num_queued_reqs"} 1.0' in http.get("/metrics").text
     fake.refuse = None
     ok = http.post(path, json={**body, "stream": stream})
     assert ok.status_code == 200

@@ -169,3 +169,12 @@ def test_large_inputs_are_tokenized_off_the_event_loop(demo_tokenizer: Tokenizer
         return [t is loop_thread for t in tok.threads[0::2]]
 
     assert asyncio.run(main()) == [True, False, False, True, False]
+
+
+def test_seed_of_every_choice_must_fit_int64() -> None:
+    from evenflow.protocol.validation import INT64_MAX
+    plan_choices(_req(n=1, seed=INT64_MAX), [1], 100, 256, None)
+    with _raises(400, "seed"):
+        plan_choices(_req(n=2, seed=INT64_MAX), [1], 100, 256, None)  # choice 1 would get INT64_MAX + 1
+    with _raises(400, "position 1", "prompt"):
+        plan_choices(_req(), [1, 256], 100, 256, None)

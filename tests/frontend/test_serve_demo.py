@@ -49,3 +49,31 @@ def test_serve_without_arguments_streams_a_completion(tmp_path: Path) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)  # children of a crashed serve (its own session)
             except ProcessLookupError:
                 pass
+
+
+def test_serve_data_parallel_routes_over_two_engine_cores(tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "serve.log"
+    proc = start(["-m", "evenflow.frontend", "serve", "--port", str(port), "--data-parallel-size", "2",
+                  "--routing-policy", "load", "--max-model-len", "256", "--num-kv-blocks", "64",
+                  "--worker-threads", "1"], log, {"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    try:
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200, 180, [proc], [log])
+        engine_pids = [int(p) for p in re.findall(r"\.sock \(pid (\d+)\)", log.read_text())]
+        assert len(engine_pids) == 2
+        body = {"model": "demo", "prompt": "def fibonacci(n):", "max_tokens": 8}
+        for _ in range(2):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        per_engine = re.findall(r'evenflow:scheduled_tokens_total\{model_name="demo",engine="(\d)"\} (\d+)', text)
+        assert [e for e, _ in per_engine] == ["0", "1"]
+        assert all(int(n) > 0 for _, n in per_engine), text  # load routing used both engine-cores
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=40) == 0
+        for pid in engine_pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            stop([proc])

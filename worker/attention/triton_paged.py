@@ -18,7 +18,10 @@ import triton.language as tl
 from evenflow.worker.attention.base import AttentionBackend, AttentionInputs, KVCache, write_kv
 
 
-@triton.jit
+# Triton compiles a variant per value class of each int argument (1, divisible by 16, other).
+# The block table's row stride is its width, which changes every step: not specializing on it
+# leaves two variants (BLOCK_M 16 and 64), both compiled by the runner's warm-up.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     Q, K_cache, V_cache, Out, block_table, query_start_loc, seq_lens, scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,

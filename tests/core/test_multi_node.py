@@ -1,0 +1,83 @@
+"""Links to workers on other hosts: only a peer holding the shared secret gets through, and a peer
+that was connected and drops is reported as a lost host (a stranger's failed handshake is not)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import zmq
+
+from evenflow.core.engine_config import ConfigError, EngineConfig
+from evenflow.core.multi_node import NodeLayout, SecuredLinks
+from evenflow.protocol.link_auth import derive_link_keys, secure_client
+
+SECRET = b"a-shared-secret-of-some-length"
+
+
+def _free_port_triple() -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 2 < 65536:
+            return port
+    raise RuntimeError("no port")
+
+
+def _client(ctx: zmq.Context, secret: bytes, address: str) -> zmq.Socket:
+    sub = ctx.socket(zmq.SUB)
+    secure_client(sub, derive_link_keys(secret))
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(address)
+    return sub
+
+
+def _wait(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_only_the_secret_gets_through_and_a_dropped_host_is_lost() -> None:
+    ctx = zmq.Context()
+    steps, results = ctx.socket(zmq.XPUB), ctx.socket(zmq.PULL)
+    layout = NodeLayout(2, 0, 2, "127.0.0.1", _free_port_triple(), derive_link_keys(SECRET), SECRET)
+    links = SecuredLinks(ctx, layout, steps, results)
+    try:
+        stranger = _client(ctx, b"not-the-secret-at-all-no", layout.steps_addr)
+        friend = _client(ctx, SECRET, layout.steps_addr)
+        assert _wait(lambda: steps.poll(0) and steps.recv()[:1] == b"\x01")  # the friend's subscription
+        steps.send(b"step")
+        assert friend.poll(5000) and friend.recv() == b"step"
+        assert not stranger.poll(500)  # the handshake failed: nothing reaches it
+        stranger.close(0)
+        time.sleep(0.3)
+        assert links.check() is None  # a stranger leaving is not a lost host
+        friend.close(0)
+        assert _wait(lambda: links.check() is not None)
+        assert "lost a worker host" in (links.lost or "")
+    finally:
+        links.close()
+        steps.close(0)
+        results.close(0)
+        ctx.term()
+
+
+def test_node_flags_are_validated(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "config.json").write_text("{}")
+    base = dict(model=str(tmp_path), tensor_parallel_size=2, nnodes=2, master_addr="10.0.0.1")
+    EngineConfig(**base).validate()
+    EngineConfig(**base, node_rank=1, headless=True).validate()
+    for bad, match in [(dict(master_addr=""), "master-addr"), (dict(tensor_parallel_size=3), "split evenly"),
+                       (dict(node_rank=1), "headless"), (dict(node_rank=2, headless=True), "node-rank"),
+                       (dict(headless=True), "headless")]:
+        with pytest.raises(ConfigError, match=match):
+            EngineConfig(**{**base, **bad}).validate()
+    with pytest.raises(ConfigError, match="nnodes > 1"):
+        EngineConfig(model=str(tmp_path), headless=True).validate()

@@ -1,0 +1,78 @@
+"""Tensor parallel across two "hosts" on loopback: an engine-core with rank 0 and a headless
+launcher with rank 1, joined through torch.distributed and the secured TCP links. Greedy outputs
+equal tensor parallel 1 and transformers; killing the second host ends the engine-core with the
+cause, which the client hears."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from evenflow.frontend.client import BlockingEngineClient, EngineError
+from evenflow.protocol import SamplingParams
+from evenflow.protocol.link_auth import SECRET_ENV
+from tests.checkpoints import reference_greedy
+from tests.e2e.harness import start_engine
+
+pytestmark = pytest.mark.slow
+
+FLAGS = ("--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+         "--num-kv-blocks", "64", "--worker-threads", "1")
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 17, 33, 9, 100, 4, 8], list(range(1, 40))]
+
+
+def _port_base() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return min(int(s.getsockname()[1]), 65000)
+
+
+def _generate(client: BlockingEngineClient, rid: str, prompt: list[int]) -> list[int]:
+    return [t for out in client.generate(rid, prompt, GREEDY) for t in out.new_token_ids]
+
+
+def test_two_hosts_match_tp1_and_a_lost_host_stops_the_engine(tiny_llama: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SECRET_ENV, "loopback-test-secret-0123456789")
+    port = _port_base()
+    nodes = ("-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
+    host1_log = open(tmp_path / "host1.log", "wb")
+    host1 = subprocess.Popen([sys.executable, "-m", "evenflow.core", "--model", str(tiny_llama), *FLAGS, *nodes,
+                              "--node-rank", "1", "--headless"], stdout=host1_log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL)
+    engines = []
+    try:
+        engines.append(start_engine(tiny_llama, tmp_path, *FLAGS, name="tp1"))
+        engines.append(start_engine(tiny_llama, tmp_path, *FLAGS, *nodes, "--node-rank", "0", name="host0"))
+        tp1, host0 = engines
+        ref_client = BlockingEngineClient(tp1.address, "tp1")
+        ref_client.connect(timeout=10)
+        client = BlockingEngineClient(host0.address, "two-hosts")
+        client.connect(timeout=10)
+        for i, prompt in enumerate(PROMPTS):
+            got = _generate(client, f"p{i}", prompt)
+            assert got == _generate(ref_client, f"p{i}", prompt) == reference_greedy(tiny_llama, prompt, 12)
+        ref_client.close()
+        assert "127.0.0.1:%d" % (port + 1) in host0.log()  # the links are on the named address only
+
+        host1.send_signal(signal.SIGKILL)  # the second host dies while the engine-core is idle
+        assert host0.proc.wait(timeout=20) == 1
+        assert "lost a worker host" in host0.log()
+        with pytest.raises(EngineError) as info:
+            _generate(client, "after", PROMPTS[0])
+        assert info.value.code in ("worker_died", "engine_dead")
+        client.close()
+    finally:
+        for eng in engines:
+            eng.stop()
+        if host1.poll() is None:
+            host1.kill()
+        host1.wait()
+        host1_log.close()

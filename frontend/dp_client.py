@@ -105,8 +105,9 @@ class DataParallelClient:
         self.router.on_routed(engine, hashes)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         self._owner[request_id] = engine
+        deadline = {"timeout_s": timeout_s} if timeout_s > 0 else {}
         inner = self.clients[engine].generate(request_id, prompt_token_ids, sampling_params, priority, arrival_time,
-                                              timeout_s)
+                                              **deadline)
         try:
             async for out in inner:
                 yield out

@@ -66,7 +66,9 @@ def test_serve_data_parallel_routes_over_two_engine_cores(tmp_path: Path) -> Non
             r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        per_engine = re.findall(r'evenflow:scheduled_tokens_total\{model_name="demo",engine="(\d)"\} (\d+)', text)
+        # prometheus_client may write the labels in either order
+        per_engine = re.findall(r'evenflow:scheduled_tokens_total\{(?:model_name="demo",)?engine="(\d)"'
+                                r'(?:,model_name="demo")?\} (\d+)', text)
         assert [e for e, _ in per_engine] == ["0", "1"]
         assert all(int(n) > 0 for _, n in per_engine), text  # load routing used both engine-cores
         os.kill(proc.pid, signal.SIGINT)

@@ -36,6 +36,8 @@ from evenflow.protocol import (
 )
 from evenflow.protocol.link_auth import SECRET_ENV, derive_link_keys, secure_client
 
+from evenflow.protocol.lifeline import die_with_parent
+
 from .fault_injection import FaultInjector
 
 log = logging.getLogger("evenflow.worker.process")
@@ -153,7 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # engine-core decides when we stop (WorkerShutdown), and we exit by ourselves if it dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    watch_parent(os.getppid())
+    # The engine-core names itself (EVENFLOW_PARENT_PID): a worker whose engine-core died while it
+    # was starting is already re-parented, and os.getppid() would then watch the wrong process.
+    if not die_with_parent(signal.SIGKILL):
+        watch_parent(os.getppid())
     ctx = zmq.Context()
     tracker = StepTracker()
     try:

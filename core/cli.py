@@ -11,6 +11,8 @@ from typing import Sequence
 
 import zmq
 
+from evenflow.protocol.curve import is_loopback
+from evenflow.protocol.lifeline import die_with_parent
 from evenflow.protocol.link_auth import read_secret
 
 from .engine_config import ConfigError, build_parser, config_from_args
@@ -20,6 +22,7 @@ from .workers import WorkerFailure
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one engine-core; returns its exit code (0 after SIGTERM/SIGINT, 1 on a failure)."""
+    die_with_parent()  # when a launcher asked (evenflow serve): SIGTERM, a graceful stop, if it dies
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s",
                         stream=sys.stderr)
     log = logging.getLogger("evenflow.core.cli")
@@ -36,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"engine-core: error: {e}", file=sys.stderr)
         return 2
     log.info("settings:\n%s", cfg.describe())
+    if not is_loopback(cfg.listen) and cfg.curve_keys is None:
+        log.warning("--listen %s is reachable from other hosts WITHOUT authentication or encryption: anyone who "
+                    "can connect can submit requests (use --curve-keys DIR)", cfg.listen)
     log.info("model %s: %s, max_model_len %d, vocab %d, eos %s", info.model_name, info.architectures,
              info.max_model_len, info.vocab_size, info.eos_token_ids)
 

@@ -22,12 +22,14 @@ from pathlib import Path
 import zmq
 
 from evenflow.protocol import (
-    ERR_DUPLICATE_ID, ERR_ENGINE_SHUTDOWN, ERR_INVALID_REQUEST, ERR_WORKER_DIED, PROTOCOL_VERSION, Abort, AddRequest, Error,
+    ERR_DUPLICATE_ID, ERR_ENGINE_SHUTDOWN, ERR_INVALID_REQUEST, ERR_OVERLOADED, ERR_REQUEST_TIMEOUT, ERR_WORKER_DIED, PROTOCOL_VERSION, Abort, AddRequest, Error,
     ModelRunnerOutput, Outputs, Ready, RequestOutput, SchedulerOutput, SchedulerStats, UtilityCall,
     UtilityResult, WorkerConfig,
 )
 
+from .admission import AdmissionLimits
 from .config import SchedulerConfig
+from .deadlines import Deadlines, check_timeout
 from .engine_config import EngineConfig
 from .frontend_link import ClientGone, ClientMessage, FrontendLink
 from .kv_events import KVEventLog
@@ -68,6 +70,8 @@ class EngineCore:
         self._pending_preempted: list[str] = []
         self._was_idle = True
         self._times = StepTiming()
+        self._admission = AdmissionLimits(cfg.max_num_queued_reqs, cfg.max_num_queued_tokens)
+        self._deadlines = Deadlines()
         layout = NodeLayout.from_config(cfg) if cfg.nnodes > 1 else None  # ranks on several hosts
         self.workers = WorkerGroup(self._ctx, self._worker_template(), cfg.worker_start_timeout, layout=layout)
         self.scheduler: Scheduler | None = None
@@ -111,7 +115,7 @@ class EngineCore:
                       self.cfg.max_num_batched_tokens, uuid.uuid4().hex[:12], self.cfg.max_frame_bytes,
                       list(self.info.model_aliases))
         self.link = FrontendLink(self._ctx, self.cfg.listen, ready, max_frame_bytes=self.cfg.max_frame_bytes,
-                                 client_timeout=self.cfg.client_timeout)
+                                 client_timeout=self.cfg.client_timeout, curve_keys=self.cfg.curve_keys)
         self.link.start()
         log.info("workers ready: %s; %d KV blocks of %d tokens", readies, num_blocks, self.block_size)
         return ready
@@ -132,6 +136,8 @@ class EngineCore:
                 # it cannot run yet (e.g. too big for free blocks): only an input can change that.
                 busy = bool(self._in_flight) or (progressed and self.scheduler.has_unfinished_requests())
                 self._take_inputs(block=not busy)
+                if self._deadlines:
+                    self._expire(time.monotonic())
                 progressed = self._step()
             self._shutdown_gracefully(self._stop_reason)
             return 0
@@ -260,17 +266,46 @@ class EngineCore:
             link.send(identity, Error(ERR_DUPLICATE_ID, f"request id {msg.request_id!r} is already live",
                                       msg.request_id))
             return
+        sched = self.scheduler
+        assert sched is not None
+        problem = check_timeout(msg.timeout_s)
+        if problem is not None:
+            link.send(identity, Error(ERR_INVALID_REQUEST, problem, msg.request_id))
+            return
+        refusal = self._admission.refusal(sched.requests.values(), len(sched.requests), len(msg.prompt_token_ids))
+        if refusal is not None:
+            link.send(identity, Error(ERR_OVERLOADED, refusal, msg.request_id))
+            return
         try:
             request = Request(eid, msg.prompt_token_ids, msg.sampling_params, self.info.eos_token_ids,
                               arrival_time=msg.arrival_time or None, priority=msg.priority)
-            self.scheduler.add_request(request)  # type: ignore[union-attr]
+            sched.add_request(request)
         except ValueError as e:  # a check the IO thread does not know about: refuse this one request
             link.send(identity, Error(ERR_INVALID_REQUEST, str(e), msg.request_id))
             return
         self._router.add(eid, identity, msg.request_id)
+        timeout_s = msg.timeout_s or self.cfg.request_timeout
+        if timeout_s > 0:
+            self._deadlines.add(request, time.monotonic(), timeout_s)
+
+    def _expire(self, now: float) -> None:
+        """Abort every live request past its deadline (blocks freed at once); tell its client why."""
+        sched = self.scheduler
+        assert sched is not None and self.link is not None
+        for request, timeout_s in self._deadlines.pop_expired(now):
+            eid = request.request_id
+            if sched.requests.get(eid) is not request:
+                continue  # finished (or a new request reusing its id)
+            sched.abort_requests([eid])
+            owner = self._router.pop(eid)
+            if owner is not None:
+                identity, client_id = owner
+                self.link.send(identity, Error(
+                    ERR_REQUEST_TIMEOUT, f"request {client_id!r} exceeded its deadline of {timeout_s:g} s "
+                    f"({request.num_output_tokens} tokens generated) and was aborted", client_id))
 
     def _send_request_error(self, error: Error) -> None:
-        route = self._router.forget(error.request_id)  # type: ignore[arg-type]
+        route = self._router.pop(error.request_id)  # type: ignore[arg-type]
         if route is not None:
             identity, error.request_id = route
             self.link.send(identity, error)  # type: ignore[union-attr]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from evenflow.protocol import MAX_FRAME_BYTES, SpeculativeConfig, parse_speculative_config
+from evenflow.protocol.curve import is_loopback
 
 from .config import DEFAULT_MAX_NUM_SEQS, SCHEDULING_POLICIES, ConfigError, check_prefill_limits, check_scheduler_limits
 
@@ -48,6 +49,13 @@ class EngineConfig:
     worker_start_timeout: float = 600.0
     client_timeout: float = 3.0  # a frontend silent this long is dropped and its requests aborted
     worker_threads: int | None = None
+    # Reliability (admission limits, deadlines): None / 0 = off.
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    request_timeout: float = 0.0
+    # Security of the frontend link: a non-loopback --listen must be asked for; CURVE keys folder.
+    allow_remote: bool = False
+    curve_keys: str | None = None
     # Tensor parallel across hosts (core/multi_node.py): ranks split evenly over --nnodes hosts.
     nnodes: int = 1
     node_rank: int = 0
@@ -86,6 +94,17 @@ class EngineConfig:
         if self.worker_start_timeout <= 0 or self.client_timeout <= 0:
             raise ConfigError("--worker-start-timeout and --client-timeout must be positive")
         check_prefill_limits(self.max_num_partial_prefills, self.max_long_partial_prefills, self.target_itl_ms)
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not (0.0 <= self.request_timeout < float("inf")):
+            raise ConfigError(f"--request-timeout must be >= 0 (0: none), got {self.request_timeout}")
+        if not is_loopback(self.listen) and not self.allow_remote:
+            raise ConfigError(f"--listen {self.listen} is not a loopback or ipc:// address: pass --allow-remote "
+                              f"if it is meant (and --curve-keys DIR to encrypt and authenticate the link)")
+        if self.curve_keys is not None and not (Path(self.curve_keys) / "engine.key_secret").is_file():
+            raise ConfigError(f"--curve-keys {self.curve_keys!r} has no engine.key_secret "
+                              f"(write the keys with `evenflow keygen DIR`)")
         self._validate_nodes()
         if self.speculative_config is not None and (problem := self.speculative_config.validate()):
             raise ConfigError(f"--speculative-config: {problem}")
@@ -178,6 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
       help="when --max-num-partial-prefills > 1: most of them longer than --long-prefill-token-threshold "
            "(default then 4%% of max-model-len); shorter prompts go ahead of long ones that have no slot")
+    a("--max-num-queued-reqs", type=int, default=None,
+      help="refuse new requests (overloaded; HTTP 503) while the engine holds this many (waiting + running)")
+    a("--max-num-queued-tokens", type=int, default=None,
+      help="refuse a new request (overloaded; HTTP 503) when its prompt would bring the prompt tokens not yet "
+           "computed over this")
+    a("--request-timeout", type=float, default=d.request_timeout,
+      help="seconds after which a request is aborted with request_timeout (0: none); a request's own "
+           "timeout (X-Request-Timeout header, AddRequest.timeout_s) overrides it")
+    a("--allow-remote", action="store_true",
+      help="allow a --listen address that is not loopback or ipc:// (use --curve-keys with it)")
+    a("--curve-keys", default=None,
+      help="folder from `evenflow keygen DIR`: CURVE-encrypt the frontend link and serve only the frontends "
+           "whose public keys are in DIR/authorized_clients")
     g = p.add_argument_group("tensor parallel across hosts")
     g.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts the tensor-parallel ranks are split over")
     g.add_argument("--node-rank", type=int, default=d.node_rank, help="this host's index (0: the engine-core)")

@@ -30,7 +30,9 @@ from evenflow.protocol import (
     ERR_BAD_FRAME, ERR_INVALID_REQUEST, ERR_NOT_READY, ERR_VERSION, PROTOCOL_VERSION, AddRequest, Codec,
     DecodeError, Error, FrontendToEngine, Heartbeat, Hello, Outputs, Ready, SchedulerStats,
 )
+
 from evenflow.protocol.codec import engine_codec
+from evenflow.protocol.curve import serve_curve
 from evenflow.protocol.request_envelope import RequestRefused
 from evenflow.protocol.validation import check_add_request
 
@@ -69,13 +71,14 @@ class FrontendLink:
     """ROUTER socket + IO/encoder threads. ``send``/``broadcast`` are safe from any thread."""
 
     def __init__(self, ctx: zmq.Context, address: str, ready: Ready, *, max_frame_bytes: int,
-                 client_timeout: float) -> None:
+                 client_timeout: float, curve_keys: str | None = None) -> None:
         self.inbox: queue.Queue[ClientMessage | ClientGone] = queue.Queue()
         self._ctx = ctx
         self._address = address
         self._ready = ready
         self._codec: Codec[FrontendToEngine] = engine_codec(max_frame_bytes)
         self._client_timeout = client_timeout
+        self._curve_keys = curve_keys  # a key folder: CURVE-encrypt and authenticate (protocol/curve.py)
         # (identity or None for all, message); a message of None marks a ClientGone as handled.
         self._outbox: queue.Queue[tuple[bytes | None, msgspec.Struct | None] | None] = queue.Queue()
         self._pipe_addr = f"inproc://frontend-out-{id(self)}"
@@ -148,6 +151,7 @@ class FrontendLink:
     def _io_loop(self) -> None:
         router = self._ctx.socket(zmq.ROUTER)
         pipe = self._ctx.socket(zmq.PULL)
+        auth = None
         try:
             # Unroutable sends raise instead of vanishing: that is how a gone client is noticed.
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -157,11 +161,14 @@ class FrontendLink:
             # ZMQ closes the connection of a peer whose frame payload exceeds this (the documented
             # rule); frames between the decode limit and this cap still get a bad_frame Error.
             router.setsockopt(zmq.MAXMSGSIZE, disconnect_frame_bytes(self._codec.max_frame_bytes))
+            auth = serve_curve(self._ctx, router, self._curve_keys) if self._curve_keys else None
             router.bind(self._address)
             pipe.bind(self._pipe_addr)
             monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         except BaseException as e:  # reported to start()'s caller
             self._bind_error = e
+            if auth is not None:
+                auth.stop()
             router.close(0)
             pipe.close(0)
             self._bound.set()
@@ -195,6 +202,8 @@ class FrontendLink:
             monitor.close(0)
             pipe.close(0)
             router.close()
+            if auth is not None:
+                auth.stop()
 
     # ----------------------------------------------------------------------------- IO helpers
 

@@ -30,8 +30,8 @@ class RequestRouter:
         self._live[engine_id] = (identity, request_id)
         self._by_client.setdefault(identity, set()).add(engine_id)
 
-    def forget(self, engine_id: str) -> tuple[bytes, str] | None:
-        """Forget one request (finished without outputs); return its (identity, client id)."""
+    def pop(self, engine_id: str) -> tuple[bytes, str] | None:
+        """Forget one request; return (identity, client's id) of its owner, or None if unknown."""
         route = self._live.pop(engine_id, None)
         if route is not None:
             self._by_client[route[0]].discard(engine_id)

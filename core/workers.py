@@ -32,6 +32,7 @@ from evenflow.protocol import (
     EngineToWorker, InitKVCache, ModelRunnerOutput, SchedulerOutput, WorkerConfig, WorkerError,
     WorkerReady, WorkerShutdown, WorkerToEngine,
 )
+from evenflow.protocol.lifeline import child_env
 
 from .engine_config import EngineConfig
 from .multi_node import NodeLayout, SecuredLinks
@@ -212,7 +213,8 @@ def worker_template(cfg: EngineConfig, model_path: str, max_model_len: int) -> W
 def spawn_worker(cfg: WorkerConfig, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start one rank; a secured one reads the shared secret from ``env``, never from its argv."""
     cmd = [sys.executable, "-m", "evenflow.worker.process", "--config", msgspec.json.encode(cfg).decode()]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
+    # EVENFLOW_PARENT_PID: the rank dies with this process even if it dies before the rank starts.
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=child_env(env))
     log.info("started worker rank %d (pid %d)", cfg.rank, proc.pid)
     return proc
 

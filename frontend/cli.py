@@ -19,13 +19,20 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:
     from .dp_router import RoutingConfig
 
+from evenflow.protocol.lifeline import die_with_parent
+
+from .api.context import DEFAULT_MAX_BODY_BYTES
 from .api.server import ServerConfig, build_app, connect_context, reuseport_socket, serve_app
 
 
 def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--api-key", default=os.environ.get("EVENFLOW_API_KEY"), help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", default=os.environ.get("EVENFLOW_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                        "(default: $EVENFLOW_API_KEY; prefer the variable: flags show in `ps`)")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger HTTP bodies are refused with 413 before being read whole")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the engine's)")
     p.add_argument("--chat-template", default=None, help="jinja2 chat template file (overrides the model's)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the engine's model folder)")
@@ -63,6 +70,9 @@ def frontend_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=float, default=600.0, help="seconds to wait for the engine-core")
     p.add_argument("--no-log-stats", dest="log_stats", action="store_false", help="no periodic throughput log")
     p.add_argument("--frontend-name", default=None, help="name in logs and in the metrics folder")
+    p.add_argument("--curve-keys", default=None,
+                   help="folder from `evenflow keygen DIR` (frontend.key_secret, engine.key): CURVE-encrypt and "
+                        "authenticate the link to an engine-core started with --curve-keys")
     return p
 
 
@@ -78,7 +88,8 @@ async def _run_frontend(args: argparse.Namespace) -> None:
         engine_address=args.engine[0], engine_addresses=args.engine, routing=routing_config(args), api_key=args.api_key, served_model_name=args.served_model_name,
         chat_template=args.chat_template, tokenizer=args.tokenizer, log_stats=args.log_stats,
         connect_timeout=args.connect_timeout, frontend_name=args.frontend_name,
-        metrics_dir=os.environ.get("EVENFLOW_METRICS_DIR"),
+        metrics_dir=os.environ.get("EVENFLOW_METRICS_DIR"), max_body_bytes=args.max_request_body_bytes,
+        curve_keys=args.curve_keys,
     )
     log = logging.getLogger("evenflow.frontend")
     ctx = await connect_context(config)
@@ -100,6 +111,7 @@ def frontend_main(argv: Sequence[str] | None = None) -> int:
     """``evenflow-frontend``: serve HTTP against an engine-core until SIGINT/SIGTERM."""
     parser = frontend_parser()
     args = parser.parse_args(argv)
+    die_with_parent()  # when a launcher asked (evenflow serve): never outlive it
     args.engine = args.engine or ["tcp://127.0.0.1:7100"]
     try:
         routing_config(args).validate()
@@ -120,19 +132,37 @@ def frontend_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def keygen_main(argv: Sequence[str]) -> int:
+    """``evenflow keygen DIR``: CURVE key pairs for the engine-core link (protocol/curve.py)."""
+    p = argparse.ArgumentParser(prog="evenflow keygen", description="Write an engine-core and a frontend CURVE "
+                                "key pair into DIR and authorize the frontend's public key.")
+    p.add_argument("dir", help="key folder (created; secret files are readable by you only)")
+    args = p.parse_args(list(argv))
+    from evenflow.protocol.curve import generate_keys
+
+    d = generate_keys(args.dir)
+    print(f"wrote {d}/engine.key(_secret), {d}/frontend.key(_secret), {d}/authorized_clients/frontend.key\n"
+          f"  engine-core --curve-keys {d} --listen tcp://HOST:PORT --allow-remote ...\n"
+          f"  evenflow-frontend --curve-keys {d} --engine tcp://HOST:PORT ...")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``evenflow``: subcommand ``serve``."""
+    """``evenflow``: subcommands ``serve`` and ``keygen``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: evenflow serve [--model DIR] [--frontends N] [--host H] [--port P] [frontend flags] "
               "[engine-core flags]\n\n  serve   start one engine-core and N HTTP frontends on one port "
-              "(the built-in demo model when --model is not given)")
+              "(the built-in demo model when --model is not given)\n  keygen DIR   write CURVE key pairs for "
+              "engine-core/evenflow-frontend --curve-keys DIR")
         return 0 if argv else 2
     if argv[0] == "serve":
         from .serve import serve_main
 
         return serve_main(argv[1:])
-    print(f"evenflow: unknown command {argv[0]!r} (try: evenflow serve)", file=sys.stderr)
+    if argv[0] == "keygen":
+        return keygen_main(argv[1:])
+    print(f"evenflow: unknown command {argv[0]!r} (try: evenflow serve, evenflow keygen DIR)", file=sys.stderr)
     return 2
 
 

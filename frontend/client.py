@@ -25,9 +25,11 @@ import zmq.asyncio
 
 from evenflow.protocol import (
     ERR_DUPLICATE_ID, ERR_INVALID_REQUEST, ERR_NOT_READY, ERR_UNKNOWN_METHOD, PROTOCOL_VERSION, Abort, AddRequest,
-    Codec, DecodeError, EngineToFrontend, Error, Heartbeat, Hello, Outputs, Ready, RequestOutput, SamplingParams,
+    MAX_FRAME_BYTES, Codec, DecodeError, EngineToFrontend, Error, Heartbeat, Hello, Outputs, Ready, RequestOutput, SamplingParams,
     SchedulerStats, UtilityCall, UtilityResult,
 )
+
+from evenflow.protocol.curve import connect_curve
 
 from .client_errors import ERR_CLOSED, ERR_CONNECT_TIMEOUT, ERR_ENGINE_DEAD, EngineError
 
@@ -40,6 +42,9 @@ HEARTBEAT_S = 1.0
 DEAD_AFTER_S = 5.0
 RECONNECT_MIN_S = 0.5  # first re-Hello after a failure; doubles up to RECONNECT_MAX_S
 RECONNECT_MAX_S = 5.0
+# The engine's frames (Outputs of up to max_num_seqs requests with logprobs) stay far below this;
+# a larger one is a broken or hostile peer, and ZMQ drops its connection instead of buffering it.
+MAX_INBOUND_FRAME_BYTES = 4 * MAX_FRAME_BYTES
 
 
 def __getattr__(name: str) -> Any:
@@ -63,9 +68,10 @@ class _Stream:
 class EngineClient:
     """Async client of one engine-core over a DEALER socket."""
 
-    def __init__(self, address: str, client_name: str = "") -> None:
+    def __init__(self, address: str, client_name: str = "", curve_keys: str | None = None) -> None:
         self.address = address
         self.client_name = client_name
+        self.curve_keys = curve_keys  # a key folder: CURVE-encrypted, authenticated link (protocol/curve.py)
         self.ready: Ready | None = None
         self.stats: SchedulerStats | None = None
         self.rehellos = 0  # Hellos after the handshake: the engine forgot us, died or restarted
@@ -103,6 +109,9 @@ class EngineClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_FRAME_BYTES)
+        if self.curve_keys:
+            connect_curve(self._sock, self.curve_keys)
         self._sock.connect(self.address)
         self._send(Hello(PROTOCOL_VERSION, self.client_name))
         deadline = time.monotonic() + timeout
@@ -123,8 +132,11 @@ class EngineClient:
         return self.ready
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       priority: int = 0, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, arrival_time: float | None = None,
+                       timeout_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Submit a request; yield its deltas until one has ``finish_reason`` set.
+
+        ``timeout_s`` > 0: the engine aborts the request after that long (``request_timeout``).
 
         Raises EngineError for an Error about this request, a request too large for the engine's
         frame limit (``invalid_request``), or a fatal one. Stopping early (``aclose()``, ``break``,
@@ -137,7 +149,8 @@ class EngineClient:
         if request_id in self._streams:
             raise EngineError(ERR_DUPLICATE_ID, f"request id {request_id!r} is already live", request_id)
         frame = self._codec.encode(AddRequest(request_id, list(prompt_token_ids), sampling_params, priority,
-                                              arrival_time if arrival_time is not None else time.time()))
+                                              arrival_time if arrival_time is not None else time.time(),
+                                              timeout_s))
         limit = self.ready.max_frame_bytes
         if 0 < limit < len(frame):
             # The engine would refuse it with a bad_frame Error that carries no request id.

@@ -50,13 +50,14 @@ def _add(values: list) -> object:
 class DataParallelClient:
     """Async client of N engine-cores serving the same model; duck-types EngineClient."""
 
-    def __init__(self, addresses: list[str], client_name: str = "", routing: RoutingConfig | None = None) -> None:
+    def __init__(self, addresses: list[str], client_name: str = "", routing: RoutingConfig | None = None,
+                 curve_keys: str | None = None) -> None:
         if len(addresses) < 1 or len(set(addresses)) != len(addresses):
             raise ValueError(f"give each engine-core address once, got {addresses}")
         self.addresses = list(addresses)
         self.routing = routing or RoutingConfig()
         self.routing.validate()
-        self.clients = [EngineClient(a, client_name) for a in addresses]
+        self.clients = [EngineClient(a, client_name, curve_keys=curve_keys) for a in addresses]
         self.router: Router | None = None
         self._owner: dict[str, int] = {}  # live request id -> engine index
         self._engine_ids: list[str] = []  # each engine's id at its latest Ready (a change = a restart)
@@ -104,7 +105,8 @@ class DataParallelClient:
         return readies[0]
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       priority: int = 0, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, arrival_time: float | None = None,
+                       timeout_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Route the request to one engine-core and stream its deltas (see EngineClient.generate)."""
         if request_id in self._owner:
             raise EngineError(ERR_DUPLICATE_ID, f"request id {request_id!r} is already live", request_id)
@@ -114,7 +116,9 @@ class DataParallelClient:
         self.router.on_routed(engine, hashes)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         self._owner[request_id] = engine
-        inner = self.clients[engine].generate(request_id, prompt_token_ids, sampling_params, priority, arrival_time)
+        deadline = {"timeout_s": timeout_s} if timeout_s > 0 else {}
+        inner = self.clients[engine].generate(request_id, prompt_token_ids, sampling_params, priority, arrival_time,
+                                              **deadline)
         try:
             async for out in inner:
                 yield out

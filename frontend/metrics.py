@@ -121,6 +121,9 @@ COUNTERS: dict[str, str] = {
     "evenflow:generation_tokens_total": "Generated tokens delivered.",
 }
 
+# Reasons always exported (at 0 until they happen): the engine's admission limits, and no engine.
+REJECT_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens", "engine_unavailable")
+
 
 class HistogramData(Struct, array_like=True):
     """Per-bucket (not cumulative) counts; the last bucket is +Inf."""
@@ -159,6 +162,7 @@ class MetricsSnapshot(Struct):
     engine: SchedulerStats | None = None
     engine_time: float = 0.0
     engines: dict[str, SchedulerStats] = {}  # per engine-core when data parallel, by label
+    rejected: dict[str, int] = {}  # refusal reason -> requests (evenflow:request_rejected_total)
 
 
 class RequestTimer:
@@ -182,6 +186,7 @@ class FrontendMetrics:
         self.frontend_name = frontend_name or f"frontend-{os.getpid()}"
         self.counters = {name: 0.0 for name in COUNTERS}
         self.finished: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}
         self.histograms = {name: HistogramData.empty(b) for name, (b, _) in HISTOGRAMS.items()}
         self.engine: SchedulerStats | None = None
         self.engine_time = 0.0
@@ -214,6 +219,9 @@ class FrontendMetrics:
         self.finished[reason] = self.finished.get(reason, 0) + 1
         self.histograms["evenflow:e2e_request_latency_seconds"].observe(now - timer.arrival)
 
+    def on_rejected(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
     def set_engine_stats(self, stats: SchedulerStats | None, when: float | None = None,
                          per_engine: dict[str, SchedulerStats] | None = None) -> None:
         """Record the engine's stats as of ``when`` (now); the same object again is not fresher.
@@ -229,7 +237,7 @@ class FrontendMetrics:
         return MetricsSnapshot(
             self.frontend_name, time.time(), dict(self.counters), dict(self.finished),
             {k: HistogramData(list(h.bounds), list(h.counts), h.sum, h.count) for k, h in self.histograms.items()},
-            self.engine, self.engine_time, dict(self.engines),
+            self.engine, self.engine_time, dict(self.engines), dict(self.rejected),
         )
 
     def write_snapshot(self) -> None:
@@ -271,6 +279,8 @@ def merge_snapshots(snaps: list[MetricsSnapshot]) -> MetricsSnapshot:
             merged.counters[k] = merged.counters.get(k, 0.0) + v
         for k, v in s.finished.items():
             merged.finished[k] = merged.finished.get(k, 0) + v
+        for k, v in s.rejected.items():
+            merged.rejected[k] = merged.rejected.get(k, 0) + v
         for k, h in s.histograms.items():
             if k in merged.histograms:
                 merged.histograms[k].add(h)
@@ -311,6 +321,12 @@ class _SnapshotCollector:
         for reason in sorted(set(s.finished) | {"stop", "length", "abort"}):
             success.add_metric([self.model_name, reason], s.finished.get(reason, 0))
         yield success
+        rejected = CounterMetricFamily("evenflow:request_rejected_total",
+                                       "Requests refused before admission (HTTP 503), by reason.",
+                                       labels=["model_name", "reason"])
+        for reason in sorted(set(s.rejected) | set(REJECT_REASONS)):
+            rejected.add_metric([self.model_name, reason], s.rejected.get(reason, 0))
+        yield rejected
         for name, (_, help_text) in HISTOGRAMS.items():
             h = s.histograms[name]
             cumulative = list(itertools.accumulate(h.counts))

@@ -23,6 +23,8 @@ import tempfile
 import time
 from typing import Callable, Sequence
 
+from evenflow.protocol.lifeline import child_env
+
 from .cli import add_frontend_flags
 from .reuse_port import bind_reuseport
 
@@ -113,7 +115,10 @@ def serve_main(argv: Sequence[str]) -> int:
     os.makedirs(metrics_dir)
     reserved = bind_reuseport(args.host, args.port)  # bound, never listening: holds the port
     port = reserved.getsockname()[1]
-    env = dict(os.environ, EVENFLOW_METRICS_DIR=metrics_dir)
+    # Children get SIGTERM if this launcher dies, even by SIGKILL (protocol/lifeline.py).
+    env = child_env(dict(os.environ, EVENFLOW_METRICS_DIR=metrics_dir))
+    if args.api_key:  # through the environment: a command line is visible to every user in `ps`
+        env["EVENFLOW_API_KEY"] = args.api_key
     py = sys.executable
     procs: list[subprocess.Popen] = []
     for i, (addr, engine_env) in enumerate(zip(engine_addrs, engine_envs(env, dp))):
@@ -129,10 +134,10 @@ def serve_main(argv: Sequence[str]) -> int:
                "--routing-balance-rel-threshold", str(args.routing_balance_rel_threshold)]
         for addr in engine_addrs:
             cmd += ["--engine", addr]
-        for flag in ("api_key", "served_model_name", "chat_template", "tokenizer"):
+        for flag in ("served_model_name", "chat_template", "tokenizer", "max_request_body_bytes"):
             value = getattr(args, flag)
             if value:
-                cmd += ["--" + flag.replace("_", "-"), value]
+                cmd += ["--" + flag.replace("_", "-"), str(value)]
         if i > 0:
             cmd.append("--no-log-stats")  # one throughput log line per interval, not N copies
         procs.append(subprocess.Popen(cmd, env=env))

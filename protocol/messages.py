@@ -247,6 +247,9 @@ class AddRequest(Struct, tag="request", array_like=True, forbid_unknown_fields=T
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     priority: Int64 = 0
     arrival_time: float = 0.0  # unix seconds at the frontend; 0 = when the engine receives it
+    # Seconds the engine may hold this request before aborting it with ``request_timeout``
+    # (counted from its arrival at the engine); 0 = the engine's --request-timeout (0: none).
+    timeout_s: float = 0.0
 
 
 class Abort(Struct, tag="abort", array_like=True, forbid_unknown_fields=True):
@@ -401,6 +404,8 @@ ERR_DUPLICATE_ID = "duplicate_request_id"
 ERR_WORKER_DIED = "worker_died"
 ERR_ENGINE_SHUTDOWN = "engine_shutdown"
 ERR_UNKNOWN_METHOD = "unknown_method"
+ERR_OVERLOADED = "overloaded"  # refused by an admission limit; the message starts with the limit's name
+ERR_REQUEST_TIMEOUT = "request_timeout"  # the request outlived its deadline and was aborted
 
 
 def to_json(obj: Struct) -> bytes:

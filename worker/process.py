@@ -36,6 +36,10 @@ from evenflow.protocol import (
 )
 from evenflow.protocol.link_auth import SECRET_ENV, derive_link_keys, secure_client
 
+from evenflow.protocol.lifeline import die_with_parent
+
+from .fault_injection import FaultInjector
+
 log = logging.getLogger("evenflow.worker.process")
 
 _PARENT_POLL_S = 0.5
@@ -104,6 +108,7 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(EngineToWorker).decode
     runner = ModelRunner(cfg)
+    faults = FaultInjector()  # test-only; a no-op unless its variable is set
     try:
         num_blocks = runner.determine_num_kv_blocks()
         push.send(encode(WorkerReady(cfg.rank, num_blocks, runner.block_size, runner.attention_backend,
@@ -115,6 +120,7 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
             msg = decode(frame.buffer)
             if isinstance(msg, SchedulerOutput):
                 tracker.step_id = msg.step_id
+                faults.before_step()
                 out = runner.execute_model(msg)
                 if cfg.rank == 0:
                     if out is None:  # nothing to sample this step: still answer, the engine waits
@@ -149,7 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # engine-core decides when we stop (WorkerShutdown), and we exit by ourselves if it dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    watch_parent(os.getppid())
+    # The engine-core names itself (EVENFLOW_PARENT_PID): a worker whose engine-core died while it
+    # was starting is already re-parented, and os.getppid() would then watch the wrong process.
+    if not die_with_parent(signal.SIGKILL):
+        watch_parent(os.getppid())
     ctx = zmq.Context()
     tracker = StepTracker()
     try:

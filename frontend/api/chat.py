@@ -10,7 +10,7 @@ from starlette.types import Receive
 
 from ..outputs import chat_logprobs_json
 from .completions import usage_of
-from .context import ServingContext, decode_body, engine_error_to_api, new_id
+from .context import ServingContext, admit, decode_body, engine_error_to_api, new_id
 from .errors import APIError
 from .generation import Generation
 from .openai import (
@@ -28,7 +28,8 @@ from .prepare import chat_logprobs, chat_prompt_async, check_unsupported, plan_c
 from .sse import DONE, SSEResponse, run_until_disconnect, sse_event
 
 
-async def create_chat_completion(ctx: ServingContext, body: bytes, receive: Receive) -> Response | SSEResponse:
+async def create_chat_completion(ctx: ServingContext, body: bytes, receive: Receive,
+                                timeout_s: float = 0.0) -> Response | SSEResponse:
     req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest)
     ctx.check_model(req.model)
     check_unsupported(req)
@@ -39,9 +40,10 @@ async def create_chat_completion(ctx: ServingContext, body: bytes, receive: Rece
     plan = plan_choices(req, prompt_ids, ctx.max_model_len, ctx.vocab_size, logprobs, max_tokens=max_tokens,
                         structured_outputs=structured)
     request_id = new_id("chatcmpl")
-    gen = Generation(ctx.client, ctx.tokenizer, request_id, [plan], ctx.metrics)
+    gen = Generation(ctx.client, ctx.tokenizer, request_id, [plan], ctx.metrics, timeout_s=timeout_s)
     top_n = logprobs or 0
     if req.stream:
+        await admit(gen, receive)
         return SSEResponse(_stream(ctx, req, gen, request_id, top_n))
     try:
         await run_until_disconnect(receive, gen.run_to_end())

@@ -9,7 +9,7 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from ..outputs import completion_logprobs_json
-from .context import ServingContext, decode_body, engine_error_to_api, new_id
+from .context import ServingContext, admit, decode_body, engine_error_to_api, new_id
 from .errors import APIError
 from .generation import Generation
 from .openai import CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, Usage, encode_json
@@ -23,7 +23,8 @@ def usage_of(gen: Generation) -> Usage:
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(gen.num_cached_tokens))
 
 
-async def create_completion(ctx: ServingContext, body: bytes, receive: Receive) -> Response | SSEResponse:
+async def create_completion(ctx: ServingContext, body: bytes, receive: Receive,
+                           timeout_s: float = 0.0) -> Response | SSEResponse:
     req: CompletionRequest = decode_body(body, CompletionRequest)
     ctx.check_model(req.model)
     check_unsupported(req)
@@ -33,9 +34,10 @@ async def create_completion(ctx: ServingContext, body: bytes, receive: Receive) 
                           default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, structured_outputs=structured)
              for ids in prompts]
     request_id = new_id("cmpl")
-    gen = Generation(ctx.client, ctx.tokenizer, request_id, plans, ctx.metrics)
+    gen = Generation(ctx.client, ctx.tokenizer, request_id, plans, ctx.metrics, timeout_s=timeout_s)
     echo = [_prompt_text(ctx, req, i, ids) for i, ids in enumerate(prompts)] if req.echo else None
     if req.stream:
+        await admit(gen, receive)
         return SSEResponse(_stream(ctx, req, gen, request_id, echo))
     try:
         await run_until_disconnect(receive, gen.run_to_end())

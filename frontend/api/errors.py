@@ -25,6 +25,7 @@ _ERROR_TYPES = {
     404: "NotFoundError",
     413: "RequestTooLargeError",
     500: "InternalServerError",
+    504: "TimeoutError",
     503: "ServiceUnavailableError",
 }
 
@@ -32,17 +33,21 @@ _ERROR_TYPES = {
 class APIError(Exception):
     """An error to answer with ``status`` and an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, *,
+                 headers: dict[str, str] | None = None, rejected: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
+        self.rejected = rejected  # a refusal under load: the reason label of evenflow:request_rejected_total
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(ErrorBody(self.message, _ERROR_TYPES.get(self.status, "Error"), self.param, self.status))
 
     def to_response(self) -> Response:
-        return Response(msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json")
+        return Response(msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json",
+                        headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

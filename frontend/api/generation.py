@@ -42,6 +42,9 @@ class ChoiceJob:
     params: SamplingParams
     assembler: ChoiceAssembler
     timer: RequestTimer | None = None
+    # Set by Generation.admit(): the submitted stream and its first output, replayed by stream().
+    agen: Any = None
+    first: RequestOutput | None = None
 
 
 class Generation:
@@ -55,8 +58,10 @@ class Generation:
         plans: list[ChoicePlan],
         metrics: FrontendMetrics | None = None,
         arrival_time: float | None = None,
+        timeout_s: float = 0.0,
     ) -> None:
         self.client = client
+        self.timeout_s = timeout_s
         self.metrics = metrics
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.plans = plans
@@ -109,14 +114,55 @@ class Generation:
         async for _ in self.stream():
             pass
 
-    async def _run_job(self, job: ChoiceJob) -> AsyncIterator[tuple[ChoiceJob, ChoiceDelta]]:
-        metrics = self.metrics
-        if metrics is not None:
-            job.timer = metrics.on_request_start(len(job.prompt_token_ids), self.arrival_time)
-        agen = self.client.generate(job.engine_id, job.prompt_token_ids, job.params,
-                                    priority=self.plans[job.prompt_index].priority, arrival_time=self.arrival_time)
+    async def admit(self) -> None:
+        """Submit every job and wait for each one's first answer, so that a refusal (overload, an
+        invalid request, no engine) raises here, before a stream sends its HTTP status: a stream
+        never answers 200 and then fails for a reason known at admission. A job's first output is
+        kept for ``stream()``. On failure or cancellation every submitted job is closed (aborted)."""
+
+        async def first(job: ChoiceJob) -> None:
+            job.agen = self._submit(job)
+            try:
+                job.first = await job.agen.__anext__()
+            except StopAsyncIteration:
+                pass
+
         try:
-            async for out in agen:
+            results = await asyncio.gather(*(first(j) for j in self.jobs), return_exceptions=True)
+        except BaseException:  # cancelled: the client left while waiting
+            await self._close_submitted()
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self._close_submitted()
+            raise errors[0]
+
+    async def _close_submitted(self) -> None:
+        for job in self.jobs:
+            if job.agen is not None:
+                agen, job.agen, job.first = job.agen, None, None
+                await agen.aclose()
+
+    def _submit(self, job: ChoiceJob) -> Any:
+        if self.metrics is not None:
+            job.timer = self.metrics.on_request_start(len(job.prompt_token_ids), self.arrival_time)
+        kwargs = {"timeout_s": self.timeout_s} if self.timeout_s > 0 else {}
+        return self.client.generate(job.engine_id, job.prompt_token_ids, job.params,
+                                    priority=self.plans[job.prompt_index].priority, arrival_time=self.arrival_time,
+                                    **kwargs)
+
+    async def _outputs(self, job: ChoiceJob, agen: Any) -> AsyncIterator[RequestOutput]:
+        if job.first is not None:
+            first, job.first = job.first, None
+            yield first
+        async for out in agen:
+            yield out
+
+    async def _run_job(self, job: ChoiceJob) -> AsyncIterator[tuple[ChoiceJob, ChoiceDelta]]:
+        agen = job.agen if job.agen is not None else self._submit(job)
+        job.agen = None
+        try:
+            async for out in self._outputs(job, agen):
                 delta = self._apply(job, out)
                 yield job, delta
                 if delta.finish_reason is not None:

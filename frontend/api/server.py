@@ -28,7 +28,7 @@ from ..reuse_port import bind_reuseport
 from ..tokenizer import Tokenizer
 from .chat import create_chat_completion
 from .completions import create_completion
-from .context import ServingContext, decode_body
+from .context import DEFAULT_MAX_BODY_BYTES, ServingContext, decode_body, read_body, request_timeout
 from .errors import APIError, bad_request
 from .openai import DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, encode_json
 from .prepare import CHARS_PER_TOKEN, chat_prompt_async, off_loop_if_large
@@ -53,6 +53,8 @@ class ServerConfig:
     log_stats: bool = True
     connect_timeout: float = 60.0
     frontend_name: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    curve_keys: str | None = None
     # Data parallel: every engine-core's address (more than one: requests are routed among them).
     engine_addresses: list[str] | None = None
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -63,7 +65,7 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 
 def _check_auth(ctx: ServingContext, request: Request) -> None:
-    if ctx.api_key is None:
+    if not ctx.api_key:  # None or empty: no key configured
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
@@ -84,6 +86,8 @@ def _endpoint(fn: Handler, auth: bool = True) -> Callable[[Request], Awaitable[A
                 _check_auth(ctx, request)
             return await fn(ctx, request)
         except APIError as e:
+            if e.rejected is not None:
+                ctx.metrics.on_rejected(e.rejected)
             return e.to_response()
         except ClientDisconnected:
             return Response(status_code=499)
@@ -95,11 +99,13 @@ def _endpoint(fn: Handler, auth: bool = True) -> Callable[[Request], Awaitable[A
 
 
 async def _completions(ctx: ServingContext, request: Request) -> Any:
-    return await create_completion(ctx, await request.body(), request.receive)
+    return await create_completion(ctx, await read_body(request, ctx.max_body_bytes), request.receive,
+                                   request_timeout(request.headers))
 
 
 async def _chat(ctx: ServingContext, request: Request) -> Any:
-    return await create_chat_completion(ctx, await request.body(), request.receive)
+    return await create_chat_completion(ctx, await read_body(request, ctx.max_body_bytes), request.receive,
+                                        request_timeout(request.headers))
 
 
 async def _models(ctx: ServingContext, request: Request) -> Response:
@@ -118,7 +124,7 @@ async def _health(ctx: ServingContext, request: Request) -> Response:
 
 
 async def _tokenize(ctx: ServingContext, request: Request) -> Response:
-    req: TokenizeRequest = decode_body(await request.body(), TokenizeRequest)
+    req: TokenizeRequest = decode_body(await read_body(request, ctx.max_body_bytes), TokenizeRequest)
     ctx.check_model(req.model)
     if req.messages is not None:
         ids = await chat_prompt_async(req, ctx.tokenizer, req.messages)
@@ -130,7 +136,7 @@ async def _tokenize(ctx: ServingContext, request: Request) -> Response:
 
 
 async def _detokenize(ctx: ServingContext, request: Request) -> Response:
-    req: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)
+    req: DetokenizeRequest = decode_body(await read_body(request, ctx.max_body_bytes), DetokenizeRequest)
     ctx.check_model(req.model)
     text = await off_loop_if_large(len(req.tokens) * CHARS_PER_TOKEN, _checked_decode, ctx.tokenizer, req.tokens)
     return _json(DetokenizeResponse(text))
@@ -184,7 +190,8 @@ async def connect_context(config: ServerConfig, client: Any = None) -> ServingCo
     aliases = () if config.served_model_name else tuple(ready.model_aliases)
     metrics = FrontendMetrics(name, config.metrics_dir or os.environ.get("EVENFLOW_METRICS_DIR"), config.frontend_name)
     return ServingContext(client, tokenizer, name, ready.max_model_len, ready.vocab_size, metrics,
-                          api_key=config.api_key, model_root=ready.model_path, model_aliases=aliases)
+                          api_key=config.api_key, model_root=ready.model_path, model_aliases=aliases,
+                          max_body_bytes=config.max_body_bytes)
 
 
 def _engine_client(config: ServerConfig) -> Any:
@@ -194,10 +201,10 @@ def _engine_client(config: ServerConfig) -> Any:
     if len(addresses) > 1:
         from ..dp_client import DataParallelClient
 
-        return DataParallelClient(addresses, name, config.routing)
+        return DataParallelClient(addresses, name, config.routing, curve_keys=config.curve_keys)
     from ..client import EngineClient
 
-    return EngineClient(addresses[0], client_name=name)
+    return EngineClient(addresses[0], client_name=name, curve_keys=config.curve_keys)
 
 
 def build_app(config: ServerConfig, context: Callable[[], Awaitable[ServingContext]] | None = None) -> Starlette:

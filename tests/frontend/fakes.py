@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
+from evenflow.frontend.client_errors import EngineError
 from evenflow.protocol import Ready, RequestOutput, SamplingParams, SchedulerStats, TokenLogprobs, UtilityResult
 
 
@@ -26,6 +27,7 @@ class FakeEngineClient:
         self.abort_messages: list[str] = []  # every Abort a real EngineClient would send, duplicates kept
         self.live: set[str] = set()
         self.submitted: list[tuple[str, list[int], SamplingParams, int]] = []
+        self.refuse: tuple[str, str] | None = None  # (code, message): refuse every request with it
 
     async def connect(self, timeout: float = 30.0) -> Ready:
         self.ready = Ready(1, "fake-model", self.model_path, self.max_model_len, self.vocab_size, [1], 16, 100, 64, "fake",
@@ -33,7 +35,10 @@ class FakeEngineClient:
         return self.ready
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       priority: int = 0, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, arrival_time: float | None = None,
+                       timeout_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+        if self.refuse is not None:
+            raise EngineError(*self.refuse, request_id)
         self.submitted.append((request_id, list(prompt_token_ids), sampling_params, priority))
         self.live.add(request_id)
         produced = 0

@@ -229,8 +229,11 @@ def test_engine_unavailable_is_503(demo_model_dir: Path) -> None:
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
         assert c.get("/health").status_code == 503
-        events = _events(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True}))
-        assert events[-1]["error"]["code"] == 503
+        # A stream is refused before its status too: 503 + Retry-After, never 200 and then an error.
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})
+        assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == 503
+        assert 'evenflow:request_rejected_total{model_name="fake-model",reason="engine_unavailable"} 2.0' in \
+            c.get("/metrics").text
 
 
 def test_disconnect_mid_stream_aborts_engine_request(demo_model_dir: Path, demo_tokenizer: Tokenizer) -> None:

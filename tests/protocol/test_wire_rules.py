@@ -84,9 +84,9 @@ def test_seed_outside_int64_built_in_python_is_caught_by_the_validation() -> Non
 
 
 @pytest.mark.parametrize("frame, tag, span, got", [
-    (["request", "r"], "request", "2 to 5", 1),
-    (["request"], "request", "2 to 5", 0),
-    (["request", "r", [1], {}, 0, 0.0, 9], "request", "2 to 5", 6),
+    (["request", "r"], "request", "2 to 6", 1),
+    (["request"], "request", "2 to 6", 0),
+    (["request", "r", [1], {}, 0, 0.0, 0.0, 9], "request", "2 to 6", 7),
     (["hello"], "hello", "1 to 2", 0),
     (["hello", 1, "x", 3], "hello", "1 to 2", 3),
     (["utility", 1], "utility", "2", 1),

@@ -1,0 +1,53 @@
+"""Die with the launcher: a process started by ``evenflow serve`` (or any launcher that asks) must
+not outlive it, even when the launcher is SIGKILLed and has no chance to stop its children.
+
+The launcher puts its pid in ``EVENFLOW_PARENT_PID``; the child calls ``die_with_parent()`` first
+thing. On Linux the kernel does it (``PR_SET_PDEATHSIG``: a signal when the parent exits); elsewhere
+a daemon thread polls the parent pid. Processes started by hand (no variable) are left alone, so a
+service manager or a shell stays in charge of them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+PARENT_PID_ENV = "EVENFLOW_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+_POLL_S = 0.5
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child that must die with this process."""
+    return {**(os.environ if env is None else env), PARENT_PID_ENV: str(os.getpid())}
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """If launched with ``EVENFLOW_PARENT_PID``: get ``sig`` when that parent dies (now, if it is
+    already gone). Returns whether a watch was set up."""
+    text = os.environ.pop(PARENT_PID_ENV, None)  # popped: our own children get their own value
+    if not text or not text.isdigit():
+        return False
+    parent = int(text)
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent:  # the parent died before the watch was armed
+        os.kill(os.getpid(), sig)
+        return True
+    if not armed:
+        def poll() -> None:
+            while os.getppid() == parent:
+                time.sleep(_POLL_S)
+            os.kill(os.getpid(), sig)
+
+        threading.Thread(target=poll, name="parent-watch", daemon=True).start()
+    return True

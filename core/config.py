@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from evenflow.protocol import SpeculativeConfig
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's online-serving default
 LONG_PREFILL_SHARE_OF_MAX_LEN = 0.04  # vLLM V0's default long-prompt threshold when N > 1
@@ -61,6 +63,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0 = off; else the largest prefill chunk per step
     policy: str = "fcfs"  # or "priority": smaller value first, then arrival time
     enable_prefix_caching: bool = True
+    speculative_config: SpeculativeConfig | None = None  # None: no drafts
     target_itl_ms: float | None = None  # None: a fixed budget; else max_num_batched_tokens is its upper bound
     max_num_partial_prefills: int = 1  # > 1: bounds on prompts mid-prefill (vLLM V0), see prefill_gate.py
     max_long_partial_prefills: int = 1

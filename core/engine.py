@@ -100,7 +100,7 @@ class EngineCore:
             long_prefill_token_threshold=self.cfg.long_prefill_token_threshold, policy=self.cfg.scheduling_policy,
             enable_prefix_caching=self.cfg.enable_prefix_caching, target_itl_ms=self.cfg.target_itl_ms,
             max_num_partial_prefills=self.cfg.max_num_partial_prefills,
-            max_long_partial_prefills=self.cfg.max_long_partial_prefills)
+            max_long_partial_prefills=self.cfg.max_long_partial_prefills, speculative_config=self.cfg.speculative_config)
         sched_cfg.validate()
         self.workers.init_kv_cache(num_blocks)
         # A finished grammar compile wakes an idle loop through the inbox (None: no message).

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Sequence
 
-from evenflow.protocol import MAX_FRAME_BYTES
+from evenflow.protocol import MAX_FRAME_BYTES, SpeculativeConfig, parse_speculative_config
 from evenflow.protocol.curve import is_loopback
 
 from .config import DEFAULT_MAX_NUM_SEQS, SCHEDULING_POLICIES, ConfigError, check_prefill_limits, check_scheduler_limits
@@ -67,6 +67,7 @@ class EngineConfig:
     target_itl_ms: float | None = None
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
+    speculative_config: SpeculativeConfig | None = None  # --speculative-config JSON, validated when parsed
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid value or combination."""
@@ -105,6 +106,8 @@ class EngineConfig:
             raise ConfigError(f"--curve-keys {self.curve_keys!r} has no engine.key_secret "
                               f"(write the keys with `evenflow keygen DIR`)")
         self._validate_nodes()
+        if self.speculative_config is not None and (problem := self.speculative_config.validate()):
+            raise ConfigError(f"--speculative-config: {problem}")
         if not (Path(self.model).expanduser() / "config.json").is_file():
             raise ConfigError(f"--model {self.model!r} is not a folder with a config.json")
 
@@ -217,7 +220,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--headless", action="store_true", help="run only this host's worker ranks (node-rank >= 1)")
     g.add_argument("--dist-secret-file", default=None,
                    help="file with the secret shared by every host (default: $EVENFLOW_DIST_SECRET)")
+    a("--speculative-config", type=_speculative_config, default=None,
+      help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
+           '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (optional "disable_by_batch_size": N: '
+           'no drafts while N or more requests run)')
     return p
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return parse_speculative_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None  # argparse names it
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> EngineConfig:

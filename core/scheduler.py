@@ -36,6 +36,7 @@ from .config import SchedulerConfig
 from .kv_cache_manager import KVCacheManager
 from .prefill_gate import PrefillGate
 from .request import FCFSQueue, PriorityQueue, Request, RequestStatus, WaitingQueue
+from .spec_decode import SpecDecodeCounters, num_draft_slots
 from .structured_output import StructuredOutputManager
 
 
@@ -62,6 +63,7 @@ class Scheduler:
         self._num_scheduled_tokens = 0  # every step's scheduled tokens, recomputation included
         self._schedule_s = 0.0
         self._update_s = 0.0
+        self._spec_counters = SpecDecodeCounters()
         self._grammar_failures: list[Error] = []  # for take_grammar_failures
 
     @property
@@ -126,6 +128,7 @@ class Scheduler:
         # 1. RUNNING requests, in order. A victim is always behind the current index, so
         #    nothing scheduled earlier in this step is ever taken back.
         running = self.running
+        num_running_at_start = len(running)
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
@@ -148,17 +151,20 @@ class Scheduler:
             if gate is not None:
                 gate.commit(request, request.num_computed_tokens, num_new)
             req_id = request.request_id
-            if request.spec_token_ids:
-                # Drafts sit after the known tokens; the budget may cut some or all of them.
-                num_spec = request.num_computed_tokens + num_new - request.num_tokens
-                del request.spec_token_ids[max(num_spec, 0) :]
-                if num_spec > 0:
-                    spec_decode_tokens[req_id] = list(request.spec_token_ids)
+            num_slots = num_draft_slots(config.speculative_config, request, num_new, token_budget - num_new,
+                                        config.max_model_len, num_running_at_start)
+            # A draft never preempts anybody: with no room the request runs without.
+            more_blocks = kv.allocate_slots(request, num_new + num_slots) if num_slots else None
+            if more_blocks is not None:
+                new_blocks, num_new = new_blocks + more_blocks, num_new + num_slots
+                spec_decode_tokens[req_id] = [-1] * num_slots  # the worker fills them (spec_decode.py)
+            else:
+                num_slots = 0
             new_block_ids = [block.block_id for block in new_blocks] if new_blocks else []
             cached_reqs.append(CachedRequestData(req_id, new_block_ids, request.num_computed_tokens))
             num_scheduled_tokens[req_id] = num_new
             token_budget -= num_new
-            self._advance(request, num_new)
+            self._advance(request, num_new, num_slots)
             if request.grammar is not None and request.num_output_placeholders:
                 structured.append(request)
             index += 1
@@ -253,7 +259,7 @@ class Scheduler:
             or request.num_tokens + placeholders >= config.max_model_len
         ):
             return 0
-        remaining = request.num_tokens + len(request.spec_token_ids) + placeholders - num_computed
+        remaining = request.num_tokens + placeholders - num_computed
         return self._clamp(remaining, num_computed, token_budget)
 
     def _clamp(self, num_new: int, num_computed: int, token_budget: int) -> int:
@@ -282,14 +288,15 @@ class Scheduler:
         failures, self._grammar_failures = self._grammar_failures, []
         return failures
 
-    def _advance(self, request: Request, num_new: int) -> None:
-        """Count a scheduled chunk as computed; a chunk reaching the end will sample a token."""
+    def _advance(self, request: Request, num_new: int, num_slots: int = 0) -> None:
+        """Count a scheduled chunk as computed; a chunk reaching the end will sample tokens:
+        up to ``1 + num_slots`` of them, all counted in flight until the step's results arrive."""
         num_computed = request.num_computed_tokens
         if num_computed < request.num_prompt_tokens:
             self._num_prompt_tokens += min(num_computed + num_new, request.num_prompt_tokens) - num_computed
         request.num_computed_tokens = num_computed + num_new
-        if num_computed + num_new >= request.num_tokens + request.num_output_placeholders:
-            request.num_output_placeholders += 1
+        if num_computed + num_new - num_slots >= request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1 + num_slots
 
     def _add_running(self, request: Request) -> None:
         if self.config.policy == "priority":
@@ -319,6 +326,7 @@ class Scheduler:
         drafts_by_req = scheduler_output.scheduled_spec_decode_tokens
         logprobs = model_runner_output.logprobs
         proposals = model_runner_output.spec_token_ids
+        num_verified = model_runner_output.num_draft_tokens
         requests = self.requests
         outputs: list[RequestOutput] = []
         any_running_finished = False
@@ -328,11 +336,13 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None or not 0 <= request.first_scheduled_step <= step_id:
                 continue  # finished since, or the id now names a newer request
-            request.num_output_placeholders -= 1
-            drafts = drafts_by_req.get(req_id) if drafts_by_req else None
-            if drafts and request.status == RequestStatus.RUNNING:
-                # Rejected drafts had KV computed for nothing: step back over them.
-                request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+            num_slots = len(drafts_by_req.get(req_id, ())) if drafts_by_req else 0
+            request.num_output_placeholders -= 1 + num_slots
+            if num_slots and request.status == RequestStatus.RUNNING:
+                # Step back over rejected drafts and unfilled slots; their KV is overwritten later.
+                request.num_computed_tokens -= num_slots + 1 - len(sampled)
+            if num_verified and num_verified[i]:
+                self._spec_counters.record(num_verified[i], len(sampled) - 1)
             num_accepted = 0
             finished_status = None
             for token_id in sampled:
@@ -352,14 +362,14 @@ class Scheduler:
                 request.spec_token_ids = list(proposals[i])
             elif request.spec_token_ids:
                 request.spec_token_ids = []
-            step_logprobs = logprobs[i] if logprobs is not None else None
+            token_logprobs = logprobs[i] if logprobs is not None else None
             outputs.append(
                 RequestOutput(
                     req_id,
                     sampled if num_accepted == len(sampled) else sampled[:num_accepted],
                     request.finish_reason if finished_status is not None else None,
                     request.num_cached_tokens,
-                    [step_logprobs] if step_logprobs is not None else None,
+                    token_logprobs[:num_accepted] if token_logprobs is not None else None,
                     request.stop_reason,
                     # The first output carries the queue time (arrival -> first scheduled).
                     request.first_scheduled_time - request.arrival_time
@@ -389,7 +399,7 @@ class Scheduler:
     def get_stats(self) -> SchedulerStats:
         """A snapshot of what the scheduler owns (worker_* fields are the engine's)."""
         kv = self.kv_cache_manager
-        stats = SchedulerStats(
+        stats = self._spec_counters.fill(SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=kv.usage,
@@ -403,7 +413,7 @@ class Scheduler:
             update_s=self._update_s,
             num_scheduled_tokens=self._num_scheduled_tokens,
             **(self.structured_output.stats.as_fields() if self.structured_output else {}),
-        )
+        ))
         return stats if self.budget_controller is None else self.budget_controller.fill_stats(stats)
 
     def reset_prefix_cache(self) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -93,6 +94,8 @@ def engine_args_to_flags(engine_args: dict[str, Any]) -> list[str]:
         if value is None or value is False:
             continue
         flag = "--" + key.replace("_", "-")
+        if isinstance(value, dict):  # e.g. speculative_config={...}: the flag takes JSON
+            value = json.dumps(value)
         flags += [flag] if value is True else [flag, str(value)]
     return flags
 

@@ -108,6 +108,13 @@ ENGINE_METRICS: list[EngineMetric] = [
     EngineMetric("evenflow:grammar_cache_hits_total", "counter",
                  "Structured output requests whose grammar was already compiled or compiling.",
                  lambda e: e.grammar_cache_hits),
+    # Speculative decoding (vLLM's names); a draft = one request's drafts verified in one step.
+    EngineMetric("evenflow:spec_decode_num_drafts_total", "counter", "Speculative drafts verified.",
+                 lambda e: e.spec_decode_num_drafts),
+    EngineMetric("evenflow:spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.",
+                 lambda e: e.spec_decode_num_draft_tokens),
+    EngineMetric("evenflow:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+                 lambda e: e.spec_decode_num_accepted_tokens),
 ]
 COUNTERS: dict[str, str] = {
     "evenflow:prompt_tokens_total": "Prompt tokens of finished and running requests.",
@@ -298,6 +305,12 @@ class _SnapshotCollector:
             for label, stats in sorted(s.engines.items()):  # data parallel: each engine-core too
                 family.add_sample(sample_name, {"model_name": self.model_name, "engine": label}, m.value(stats))
             yield family
+        per_pos = CounterMetricFamily("evenflow:spec_decode_num_accepted_tokens_per_pos_total",
+                                      "Draft tokens accepted, by position in the draft.",
+                                      labels=["model_name", "position"])
+        for position, count in enumerate(engine.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], count)
+        yield per_pos
         yield token_budget_histogram(engine, labels, values)
         for name, help_text in COUNTERS.items():
             counter = CounterMetricFamily(name, help_text, labels=labels)

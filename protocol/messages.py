@@ -20,6 +20,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Struct
 
+from .speculative import SpeculativeConfig
+
 # The wire's integers are int64 (protocol/README.md): msgpack can also carry uint64, which a
 # decoder typed ``int`` would accept, so every field a client sends is bounded to int64.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -151,7 +153,10 @@ class ModelRunnerOutput(Struct, tag="mro", array_like=True):
     step_id: int
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    logprobs: list[TokenLogprobs | None] | None = None
+    # Per request, one TokenLogprobs per sampled token (speculation may emit several per step).
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+    # Per request, the drafts proposed after this step (known only to the worker with overlap on;
+    # the engine-core uses their count to reserve budget when overlap is off).
     spec_token_ids: list[list[int]] | None = None
     # Worker-side timing of this step in seconds: input building, forward, sampling.
     prepare_s: float = 0.0
@@ -160,6 +165,8 @@ class ModelRunnerOutput(Struct, tag="mro", array_like=True):
     # Seconds rank 0 sat idle waiting for this step's SchedulerOutput after finishing the previous
     # step (filled by the worker process loop, not the model runner).
     wait_s: float = 0.0
+    # Per request, how many drafts this step verified (<= its draft slots; None: no speculation).
+    num_draft_tokens: list[int] | None = None
 
 
 class WorkerConfig(Struct, forbid_unknown_fields=True):
@@ -185,6 +192,7 @@ class WorkerConfig(Struct, forbid_unknown_fields=True):
     num_threads: int | None = None
     # Links over TCP to an engine-core on another host: CURVE keys from $EVENFLOW_DIST_SECRET.
     secure_link: bool = False
+    speculative_config: SpeculativeConfig | None = None
 
 
 class WorkerReady(Struct, tag="worker_ready", array_like=True):
@@ -335,6 +343,11 @@ class SchedulerStats(Struct, array_like=True):
     step_measured_s: float = 0.0
     num_controlled_steps: int = 0
     num_steps_within_target: int = 0
+    # Speculative decoding, cumulative (vLLM's spec_decode_* counters).
+    spec_decode_num_drafts: int = 0  # (request, step) pairs that verified at least one draft
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []  # index i: drafts accepted at position i
 
 
 class KVCacheEvents(Struct, array_like=True, omit_defaults=True):

@@ -158,11 +158,11 @@ def check_stats_types(c: Conn, ready: list, args: argparse.Namespace) -> None:
     c.hello()
     c.send(["heartbeat"])
     stats = c.recv()[2]
-    # 16 fields, then the optional structured-output ones (fields 17-19) and the adaptive budget's
-    # (20-27) when the engine sends them.
+    # 16 fields, then the optional structured-output ones (fields 17-19), the adaptive budget's
+    # (20-27) and speculative decoding's (28-31) when the engine sends them.
     types = [int] * 2 + [float] + [int] * 6 + [float] * 6 + [int] + [list, float, int]
-    types += [float, int, list, int, float, float, int, int]
-    assert len(stats) in (16, 19, 27) and [type(v) for v in stats] == types[:len(stats)], stats
+    types += [float, int, list, int, float, float, int, int] + [int] * 3 + [list]
+    assert len(stats) in (16, 19, 27, 31) and [type(v) for v in stats] == types[:len(stats)], stats
     assert len(stats) == 16 or all(isinstance(v, int) for v in stats[16]), stats
 
 

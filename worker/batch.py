@@ -30,6 +30,9 @@ class RequestState:
     num_computed_tokens: int
     num_blocks: int = 0
     row: int = -1  # row in the batch tables; -1 while preempted
+    # Drafts proposed after this request's last sample, kept in its row right after its known
+    # tokens (see spec_decode.py); the next step verifies as many as the engine gave slots for.
+    num_drafts: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -44,8 +47,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     attn: AttentionInputs
-    logits_indices: torch.Tensor  # [S] long: the last new token of each request that samples
+    logits_indices: torch.Tensor  # [S] long: each sampling request's drafts' and last token's rows
     sample_mask: np.ndarray  # [num_reqs] bool: which requests sample this step
+    num_drafts: np.ndarray  # [num_reqs] int64: drafts each request verifies (0 without speculation)
 
 
 class PersistentBatch:
@@ -87,7 +91,11 @@ class PersistentBatch:
             raise ValueError(f"request {state.req_id} has {state.num_tokens} tokens, over max_model_len")
         self.token_ids[state.row, :n_prompt] = state.prompt_token_ids
         self.token_ids[state.row, n_prompt : state.num_tokens] = state.output_token_ids
+        # Stale ids of the row's previous owner would be gathered (and masked) by attention
+        # groups padded to a longer request; block 0 always exists.
+        self.block_table[state.row] = 0
         state.num_blocks = 0
+        state.num_drafts = 0  # resumed by recompute: a prefill first, drafts after its sample
         self._append_blocks(state, block_ids)
 
     def _append_blocks(self, state: RequestState, block_ids: list[int]) -> None:
@@ -108,8 +116,6 @@ class PersistentBatch:
 
     def update(self, so: SchedulerOutput) -> None:
         """Apply a SchedulerOutput's deltas: drop finished, park preempted, add new, extend running."""
-        if so.scheduled_spec_decode_tokens:
-            raise ValueError("speculative decoding is not supported by this worker")
         for req_id in so.finished_req_ids:
             state = self.requests.pop(req_id, None)
             if state is not None:
@@ -130,8 +136,9 @@ class PersistentBatch:
                 self._write_row(state, cached.new_block_ids)
             else:
                 self._append_blocks(state, cached.new_block_ids)
-            # Authoritative: the engine may have scheduled this step before seeing the last output.
-            state.num_computed_tokens = cached.num_computed_tokens
+            # The engine's count, except that with overlap it may not have seen the last step's
+            # rejected drafts yet: a request's known tokens but its last always have KV.
+            state.num_computed_tokens = min(cached.num_computed_tokens, state.num_tokens - 1)
 
     # ------------------------------------------------------------------ inputs
 
@@ -139,7 +146,14 @@ class PersistentBatch:
         """Build the flat varlen inputs of the scheduled requests (decodes first)."""
         decodes: list[RequestState] = []
         others: list[RequestState] = []
-        for req_id, n in so.num_scheduled_tokens.items():
+        draft_slots = so.scheduled_spec_decode_tokens
+        # Draft slots the worker has no draft for are left out of the step (it proposed fewer).
+        num_scheduled = {
+            req_id: n - len(draft_slots[req_id]) + min(len(draft_slots[req_id]), self.requests[req_id].num_drafts)
+            if req_id in draft_slots else n
+            for req_id, n in so.num_scheduled_tokens.items()
+        }
+        for req_id, n in num_scheduled.items():
             state = self.requests[req_id]
             (decodes if n == 1 else others).append(state)
         # Decodes sorted by context length: the torch backend attends to them in a few
@@ -148,12 +162,18 @@ class PersistentBatch:
         reqs = decodes + others
         num_reqs = len(reqs)
         rows = np.fromiter((s.row for s in reqs), dtype=np.int64, count=num_reqs)
-        num_sched = np.fromiter((so.num_scheduled_tokens[s.req_id] for s in reqs), dtype=np.int64, count=num_reqs)
+        num_sched = np.fromiter((num_scheduled[s.req_id] for s in reqs), dtype=np.int64, count=num_reqs)
         computed = np.fromiter((s.num_computed_tokens for s in reqs), dtype=np.int64, count=num_reqs)
         num_tokens = np.fromiter((s.num_tokens for s in reqs), dtype=np.int64, count=num_reqs)
         seq_lens = computed + num_sched
-        if np.any(seq_lens > num_tokens):
-            bad = reqs[int(np.argmax(seq_lens > num_tokens))]
+        # Positions past the known tokens hold this step's drafts (written by the proposer).
+        num_drafts = np.maximum(seq_lens - num_tokens, 0)
+        if draft_slots and np.any(num_drafts > 0):
+            drafted = np.fromiter((s.num_drafts for s in reqs), dtype=np.int64, count=num_reqs)
+        else:
+            drafted = np.zeros(num_reqs, dtype=np.int64)
+        if np.any(num_drafts > drafted):
+            bad = reqs[int(np.argmax(num_drafts > drafted))]
             raise ValueError(
                 f"step {so.step_id}: request {bad.req_id} scheduled past its {bad.num_tokens} known tokens"
             )
@@ -170,7 +190,12 @@ class PersistentBatch:
         max_seq_len = int(seq_lens.max())
         block_table = self.block_table[rows, : -(-max_seq_len // bs)]
         sample_mask = seq_lens >= num_tokens
-        logits_indices = cu[sample_mask] - 1
+        # Each sampling request needs logits at its last known token and at each of its drafts.
+        num_logits = np.where(sample_mask, num_drafts + 1, 0)
+        logits_cu = np.cumsum(num_logits)
+        logits_indices = np.repeat(cu - num_logits, num_logits) + (
+            np.arange(int(logits_cu[-1])) - np.repeat(logits_cu - num_logits, num_logits)
+        )
         stage = self.staging.to_device
         self.staging.begin()
         seq_lens32 = seq_lens.astype(np.int32)
@@ -196,19 +221,29 @@ class PersistentBatch:
             attn=attn,
             logits_indices=stage("logits_indices", logits_indices.astype(np.int64)),
             sample_mask=sample_mask,
+            num_drafts=num_drafts,
         )
         self.staging.end()
         return step
 
-    def append_sampled(self, sampled_reqs: list[RequestState], token_ids: np.ndarray) -> None:
-        """Append each sampling request's new token to its list and its row."""
+    def append_sampled(self, sampled_reqs: list[RequestState], token_ids: np.ndarray,
+                       num_emitted: np.ndarray | None = None) -> None:
+        """Append each sampling request's new tokens (``num_emitted[i]`` of them, 1 when None,
+        consecutive in ``token_ids``) to its list and its row."""
         if not sampled_reqs:
             return
-        rows = np.fromiter((s.row for s in sampled_reqs), dtype=np.int64, count=len(sampled_reqs))
-        cols = np.fromiter((s.num_tokens for s in sampled_reqs), dtype=np.int64, count=len(sampled_reqs))
-        self.token_ids[rows, np.minimum(cols, self.max_tokens - 1)] = token_ids
-        for state, tok in zip(sampled_reqs, token_ids.tolist()):
-            state.output_token_ids.append(tok)
+        count = len(sampled_reqs)
+        if num_emitted is None:
+            num_emitted = np.ones(count, dtype=np.int64)
+        rows = np.fromiter((s.row for s in sampled_reqs), dtype=np.int64, count=count)
+        cols = np.fromiter((s.num_tokens for s in sampled_reqs), dtype=np.int64, count=count)
+        starts = np.cumsum(num_emitted) - num_emitted
+        offsets = np.arange(len(token_ids)) - np.repeat(starts, num_emitted)
+        token_cols = np.minimum(np.repeat(cols, num_emitted) + offsets, self.max_tokens - 1)
+        self.token_ids[np.repeat(rows, num_emitted), token_cols] = token_ids
+        tokens = token_ids.tolist()
+        for state, start, n in zip(sampled_reqs, starts.tolist(), num_emitted.tolist()):
+            state.output_token_ids.extend(tokens[start : start + n])
 
 
 def _num_computed(state: RequestState) -> int:

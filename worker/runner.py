@@ -33,6 +33,7 @@ from evenflow.worker.models.registry import build_model
 from evenflow.worker.parallel import destroy_tensor_parallel, init_tensor_parallel
 from evenflow.worker.sampler import Sampler
 from evenflow.worker.sampling_metadata import SamplingMetadata
+from evenflow.worker.spec_decode import GeneratorRewind, NgramDrafter, accept_drafts, emitted_rows
 from evenflow.worker.synthetic_steps import SyntheticStep, heaviest_sampling, synthetic_step, warmup_shapes
 from evenflow.worker.threads import ThreadSetter, plan_step_threads, step_flops
 
@@ -96,6 +97,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.vocab_size = cfg.vocab_size
+        spec = config.speculative_config
+        self.drafter = NgramDrafter(spec, config.max_model_len) if spec is not None else None
 
     # ------------------------------------------------------------------ KV cache
 
@@ -189,17 +192,32 @@ class ModelRunner:
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attn, plan,
                                 inputs.logits_indices)
         self.forward_timer.stop()
-        sampled_reqs = [s for s, m in zip(inputs.requests, inputs.sample_mask.tolist()) if m]
+        sample_mask = inputs.sample_mask
+        sampled_reqs = [s for s, m in zip(inputs.requests, sample_mask.tolist()) if m]
+        num_drafts = inputs.num_drafts[sample_mask]
+        rewind = GeneratorRewind.save(sampled_reqs, num_drafts) if num_drafts.any() else None
+        # A request with d drafts samples d + 1 rows, all with its own parameters.
+        row_reqs = [s for s, d in zip(sampled_reqs, num_drafts.tolist()) for _ in range(d + 1)]
         if so.structured_output_req_ids and self.tp.rank == 0:  # only rank 0 samples
-            logits = apply_grammar_bitmask(logits, [s.req_id for s in sampled_reqs], so, self.vocab_size)
-        sampled, logprobs = self._sample(logits, sampled_reqs)  # the step's host synchronization
-        self.batch.append_sampled(sampled_reqs, sampled)
+            logits = apply_grammar_bitmask(logits, [s.req_id for s in row_reqs], so, self.vocab_size)
+        targets, logprobs = self._sample(logits, row_reqs)  # the step's host synchronization
+        num_emitted = None
+        if rewind is not None:
+            drafts = NgramDrafter.stored_drafts(self.batch, sampled_reqs, num_drafts)
+            num_emitted = accept_drafts(targets, drafts, num_drafts)
+            rewind.replay(num_emitted, self.vocab_size, self.device)
+            kept = emitted_rows(num_drafts, num_emitted)
+            targets = targets[kept]
+            logprobs = [logprobs[i] for i in kept.tolist()] if logprobs is not None else None
+        self.batch.append_sampled(sampled_reqs, targets, num_emitted)
+        proposals = self.drafter.propose(self.batch, sampled_reqs) if self.drafter is not None else None
         t3 = time.perf_counter()
         forward_s = self.forward_timer.seconds()  # device time on CUDA, read after the sync
         self.threads.after_step(forward_s)
         if self.tp.rank != 0:
             return None
-        return self._output(so.step_id, inputs, sampled, logprobs, t1 - t0, forward_s, max(t3 - t1 - forward_s, 0.0))
+        return self._output(so.step_id, inputs, targets, num_emitted, logprobs, proposals, t1 - t0, forward_s,
+                            max(t3 - t1 - forward_s, 0.0))
 
     def _step_flops(self, inputs: StepInputs) -> float:
         a = inputs.attn
@@ -223,23 +241,38 @@ class ModelRunner:
         ids = self.tp.broadcast_from_rank0(ids)
         return ids.cpu().numpy(), logprobs
 
-    def _output(self, step_id: int, inputs: StepInputs, sampled: np.ndarray, logprobs: list | None,
-                prepare_s: float, forward_s: float, sample_s: float) -> ModelRunnerOutput:
-        mask = inputs.sample_mask.tolist()
-        tokens = iter(sampled.tolist())
-        sampled_lists = [[next(tokens)] if m else [] for m in mask]
-        aligned: list[TokenLogprobs | None] | None = None
+    def _output(self, step_id: int, inputs: StepInputs, sampled: np.ndarray, num_emitted: np.ndarray | None,
+                logprobs: list | None, proposals: np.ndarray | None, prepare_s: float, forward_s: float,
+                sample_s: float) -> ModelRunnerOutput:
+        """Per request (aligned with ``inputs.requests``): its emitted tokens, their logprobs, and
+        with speculation on the drafts it verified and the ones it proposed for the next step."""
+        mask = inputs.sample_mask
+        counts = np.zeros(len(mask), dtype=np.int64)
+        counts[mask] = 1 if num_emitted is None else num_emitted
+        ends = np.cumsum(counts).tolist()
+        tokens = sampled.tolist()
+        spans = list(zip([0, *ends[:-1]], ends))
+        sampled_lists = [tokens[a:b] for a, b in spans]
+        aligned: list[list[TokenLogprobs] | None] | None = None
         if logprobs is not None:
-            lp = iter(logprobs)
-            aligned = [next(lp) if m else None for m in mask]
+            aligned = [logprobs[a:b] if b > a and logprobs[a] is not None else None for a, b in spans]
+        spec_token_ids = num_draft_tokens = None
+        if proposals is not None:
+            proposed = np.zeros(len(mask), dtype=np.int64)
+            proposed[mask] = proposals
+            spec_token_ids = [self.batch.token_ids[s.row, s.num_tokens : s.num_tokens + n].tolist()
+                              for s, n in zip(inputs.requests, proposed.tolist())]
+            num_draft_tokens = inputs.num_drafts.tolist()
         return ModelRunnerOutput(
             step_id=step_id,
             req_ids=[s.req_id for s in inputs.requests],
             sampled_token_ids=sampled_lists,
             logprobs=aligned,
+            spec_token_ids=spec_token_ids,
             prepare_s=prepare_s,
             forward_s=forward_s,
             sample_s=sample_s,
+            num_draft_tokens=num_draft_tokens,
         )
 
     def shutdown(self) -> None:

@@ -43,6 +43,10 @@ def check_invariants(scheduler: Scheduler, output: SchedulerOutput) -> None:
     assert sum(output.num_scheduled_tokens.values()) == output.total_num_scheduled_tokens
     assert output.total_num_scheduled_tokens <= config.max_num_batched_tokens
     assert all(num > 0 for num in output.num_scheduled_tokens.values()), output.num_scheduled_tokens
+    spec = config.speculative_config
+    for req_id, slots in output.scheduled_spec_decode_tokens.items():
+        assert spec is not None and 0 < len(slots) <= spec.num_speculative_tokens
+        assert output.num_scheduled_tokens[req_id] > len(slots)  # drafts ride on a sampling token
     assert scheduler.num_running <= config.max_num_seqs
     for req_id in output.num_scheduled_tokens:
         request = scheduler.requests[req_id]
@@ -76,7 +80,8 @@ def run_workload(
     """Run every planned request to the end; return tokens and finish reasons per request.
     ``step_seconds``: the forward time each step reports (a synthetic machine), else 0."""
     config = scheduler.config
-    worker = FakeWorker(config.num_kv_blocks, config.block_size)
+    spec = config.speculative_config
+    worker = FakeWorker(config.num_kv_blocks, config.block_size, spec.num_speculative_tokens if spec else 0)
     result = RunResult()
     pending: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
 

@@ -51,10 +51,29 @@ def reference_generate(
             return ReferenceResult(output, "length")
 
 
-class FakeWorker:
-    """Executes SchedulerOutputs in order, like a worker with a persistent batch."""
+def fake_drafts(sequence: Sequence[int], k: int) -> list[int]:
+    """A fake proposer: the true continuation for a length that varies with the sequence, then
+    (if shorter than k) one wrong token, so that every accepted length 0..k occurs."""
+    num_right = next_token([*sequence, 7]) % (k + 2) if k else 0
+    drafts: list[int] = []
+    for _ in range(min(num_right, k)):
+        drafts.append(next_token([*sequence, *drafts]))
+    if len(drafts) < k and num_right <= k:
+        drafts.append((next_token([*sequence, *drafts]) + 1) % VOCAB_SIZE)
+    return drafts
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+
+class FakeWorker:
+    """Executes SchedulerOutputs in order, like a worker with a persistent batch.
+
+    With ``draft_k`` it also drafts like the real worker: after each sample it proposes up to
+    ``draft_k`` tokens, fills the draft slots the scheduler reserved with them, and verifies
+    them against the fake model (accepted while equal, then the model's own token).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, draft_k: int = 0) -> None:
+        self.draft_k = draft_k
+        self.drafts: dict[str, list[int]] = {}
         self.block_size = block_size
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.tokens: dict[str, list[int]] = {}
@@ -80,29 +99,52 @@ class FakeWorker:
                 self.block_tables[cached.req_id] = list(cached.new_block_ids)
             else:
                 self.block_tables[cached.req_id].extend(cached.new_block_ids)
-                assert self.num_computed[cached.req_id] == cached.num_computed_tokens, cached
-            self.num_computed[cached.req_id] = cached.num_computed_tokens
+                # With drafts the scheduler may not have seen the last step's rejections yet.
+                if self.draft_k:
+                    assert self.num_computed[cached.req_id] <= cached.num_computed_tokens, cached
+                else:
+                    assert self.num_computed[cached.req_id] == cached.num_computed_tokens, cached
+            self.num_computed[cached.req_id] = min(cached.num_computed_tokens, len(self.tokens[cached.req_id]) - 1)
+            if cached.resumed_from_preemption:
+                self.drafts.pop(cached.req_id, None)
 
         req_ids: list[str] = []
         sampled: list[list[int]] = []
+        verified: list[int] = []
+        proposals: list[list[int]] = []
         for req_id, num_new in output.num_scheduled_tokens.items():
             tokens = self.tokens[req_id]
+            num_slots = len(output.scheduled_spec_decode_tokens.get(req_id, ()))
+            drafts = self.drafts.get(req_id, [])[:num_slots]
             start = self.num_computed[req_id]
-            end = start + num_new
+            end = start + num_new - num_slots
             assert end <= len(tokens), f"{req_id}: scheduled up to {end}, worker knows {len(tokens)} tokens"
-            for position in range(start, end):
-                self._slot_write(req_id, position, tokens[position])
-            context = [self._slot_read(req_id, position) for position in range(end)]
-            assert context == tokens[:end], f"{req_id}: KV content differs from its tokens"
+            assert not num_slots or end == len(tokens), f"{req_id}: draft slots on a chunk that does not sample"
+            sequence = tokens + drafts if end == len(tokens) else tokens
+            for position in range(start, end + len(drafts)):
+                self._slot_write(req_id, position, sequence[position])
+            context = [self._slot_read(req_id, position) for position in range(end + len(drafts))]
+            assert context == sequence[: end + len(drafts)], f"{req_id}: KV content differs from its tokens"
             self.num_computed[req_id] = end
             req_ids.append(req_id)
+            verified.append(len(drafts))
             if end == len(tokens):
-                token = next_token(tokens)
-                tokens.append(token)
-                sampled.append([token])
+                emitted = [next_token(tokens)]
+                for draft in drafts:
+                    if draft != emitted[-1]:
+                        break
+                    emitted.append(next_token([*tokens, *emitted]))
+                tokens.extend(emitted)
+                self.num_computed[req_id] = len(tokens) - 1
+                self.drafts[req_id] = fake_drafts(tokens, self.draft_k)
+                sampled.append(emitted)
             else:
                 sampled.append([])
-        return ModelRunnerOutput(output.step_id, req_ids, sampled)
+            proposals.append(self.drafts.get(req_id, []) if sampled[-1] else [])
+        if not self.draft_k:
+            return ModelRunnerOutput(output.step_id, req_ids, sampled)
+        return ModelRunnerOutput(output.step_id, req_ids, sampled, spec_token_ids=proposals,
+                                 num_draft_tokens=verified)
 
     def _slot(self, req_id: str, position: int) -> tuple[int, int]:
         table = self.block_tables[req_id]

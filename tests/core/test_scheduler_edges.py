@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-from evenflow.protocol import ModelRunnerOutput
+from evenflow.protocol import ModelRunnerOutput, SpeculativeConfig
 
 from .test_scheduler import add, make_scheduler
 
 
 def test_drafts_are_cut_at_max_model_len() -> None:
-    """Drafts past max_model_len are never scheduled: their positions do not exist."""
-    scheduler = make_scheduler(max_model_len=8, num_kv_blocks=4, block_size=4)
+    """Draft slots stop where the tokens they may emit (1 + k) would pass max_model_len."""
+    scheduler = make_scheduler(max_model_len=9, num_kv_blocks=4, block_size=4,
+                               speculative_config=SpeculativeConfig("ngram", 3))
     request = add(scheduler, "a", 6)
     output = scheduler.schedule()
     scheduler.update_from_output(output, ModelRunnerOutput(output.step_id, ["a"], [[7]], spec_token_ids=[[1, 2, 3]]))
     assert request.num_tokens == 7 and request.spec_token_ids == [1, 2, 3]
     output = scheduler.schedule()
-    assert output.num_scheduled_tokens == {"a": 2}  # position 6 and one draft: 8 = max_model_len
-    assert output.scheduled_spec_decode_tokens == {"a": [1]}
+    assert output.num_scheduled_tokens == {"a": 2}  # position 6 and one draft: up to 9 tokens
+    assert output.scheduled_spec_decode_tokens == {"a": [-1]}
     assert request.num_computed_tokens == 8
 
 

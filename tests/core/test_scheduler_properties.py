@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 from evenflow.core.config import SchedulerConfig
 from evenflow.core.scheduler import Scheduler
-from evenflow.protocol import SamplingParams
+from evenflow.protocol import SamplingParams, SpeculativeConfig
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -116,3 +116,21 @@ def test_random_workloads_two_steps_in_flight(
 ) -> None:
     config, plan = workload
     check_against_reference(gated(config, gate, draw_index), plan, max_in_flight=2)
+
+
+@st.composite
+def workloads_with_drafts(draw: st.DrawFn) -> tuple[SchedulerConfig, list[PlannedRequest]]:
+    """The same workloads with n-gram-style drafts: K slots per decode, sometimes off under load."""
+    config, plan = draw(workloads())
+    config.speculative_config = SpeculativeConfig(
+        "ngram", draw(st.integers(1, 5)), disable_by_batch_size=draw(st.sampled_from([None, 2, 4]))
+    )
+    return config, plan
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads_with_drafts(), st.sampled_from([1, 2]))
+def test_random_workloads_with_drafts(workload: tuple[SchedulerConfig, list[PlannedRequest]], max_in_flight: int) -> None:
+    """Budget, blocks and tokens stay exact when decodes carry drafts that are partly rejected."""
+    config, plan = workload
+    check_against_reference(config, plan, max_in_flight=max_in_flight)

@@ -27,6 +27,9 @@ class Job:
 class RunResult:
     outputs: dict[str, list[int]]
     steps: list[SchedulerOutput] = field(default_factory=list)
+    num_draft_tokens: int = 0  # drafts the worker verified
+    logprobs: dict[str, list] = field(default_factory=dict)  # TokenLogprobs per token, when asked
+    num_accepted_drafts: int = 0
     runner_outputs: list[ModelRunnerOutput] = field(default_factory=list)  # in step order
 
     @property
@@ -69,6 +72,7 @@ def run_jobs(runner: ModelRunner, jobs: list[Job], num_blocks: int, budget: int 
                                       max_model_len=max_model_len or runner.config.max_model_len,
                                       block_size=runner.block_size,
                                       enable_prefix_caching=enable_prefix_caching,
+                                      speculative_config=runner.config.speculative_config,
                                       **(scheduler_overrides or {})))  # type: ignore[arg-type]
     result = RunResult({j.req_id: [] for j in jobs})
     pending = sorted(jobs, key=lambda j: j.arrive_step)
@@ -96,6 +100,12 @@ def run_jobs(runner: ModelRunner, jobs: list[Job], num_blocks: int, budget: int 
 def _apply(sched: Scheduler, done: tuple[SchedulerOutput, ModelRunnerOutput | None], result: RunResult) -> None:
     so, mro = done
     assert mro is not None and mro.step_id == so.step_id
+    if mro.num_draft_tokens is not None:
+        verified = [(d, len(t)) for d, t in zip(mro.num_draft_tokens, mro.sampled_token_ids) if d]
+        result.num_draft_tokens += sum(d for d, _ in verified)
+        result.num_accepted_drafts += sum(n - 1 for _, n in verified)
     result.runner_outputs.append(mro)
     for out in sched.update_from_output(so, mro):
         result.outputs[out.request_id].extend(out.new_token_ids)
+        if out.logprobs is not None:
+            result.logprobs.setdefault(out.request_id, []).extend(out.logprobs)

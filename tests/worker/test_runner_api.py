@@ -28,7 +28,8 @@ def test_outputs_align_with_logprobs_and_partial_chunks(tiny_llama: Path) -> Non
     assert out.logprobs is not None and len(out.logprobs) == 3
     lps = dict(zip(out.req_ids, out.logprobs))
     assert lps["long"] is None and lps["one"] is None
-    assert lps["lp"].token_ids[0] == by_id["lp"][0] and len(lps["lp"].token_ids) == 4
+    assert len(lps["lp"]) == 1  # one TokenLogprobs per sampled token
+    assert lps["lp"][0].token_ids[0] == by_id["lp"][0] and len(lps["lp"][0].token_ids) == 4
     assert out.forward_s > 0 and out.prepare_s > 0
     # An empty step only updates state.
     empty = runner.execute_model(SchedulerOutput(1, [], [], {}, 0, finished_req_ids=["one"]))

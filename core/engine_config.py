@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--speculative-config", type=_speculative_config, default=None,
       help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
            '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (optional "disable_by_batch_size": N: '
-           'no drafts while N or more requests run)')
+           'no drafts while N or more requests run; default 16, null: never)')
     return p
 
 

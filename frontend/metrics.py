@@ -117,7 +117,7 @@ ENGINE_METRICS: list[EngineMetric] = [
                  lambda e: e.spec_decode_num_accepted_tokens),
 ]
 COUNTERS: dict[str, str] = {
-    "evenflow:prompt_tokens_total": "Prompt tokens of finished and running requests.",
+    "evenflow:prompt_tokens_total": "Prompt tokens of requests whose prefill finished (refused ones not counted).",
     "evenflow:generation_tokens_total": "Generated tokens delivered.",
 }
 
@@ -168,10 +168,11 @@ class MetricsSnapshot(Struct):
 class RequestTimer:
     """Timing of one engine request, for TTFT / ITL / e2e."""
 
-    __slots__ = ("arrival", "first_token", "last_token", "num_tokens")
+    __slots__ = ("arrival", "prompt_tokens", "first_token", "last_token", "num_tokens")
 
-    def __init__(self, arrival: float) -> None:
+    def __init__(self, arrival: float, prompt_tokens: int = 0) -> None:
         self.arrival = arrival
+        self.prompt_tokens = prompt_tokens  # counted at the first token, as vLLM does
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.num_tokens = 0
@@ -197,14 +198,14 @@ class FrontendMetrics:
     # -- observation (hot path: a few float operations per delta) ------------------------------
 
     def on_request_start(self, prompt_tokens: int, arrival: float) -> RequestTimer:
-        self.counters["evenflow:prompt_tokens_total"] += prompt_tokens
-        return RequestTimer(arrival)
+        return RequestTimer(arrival, prompt_tokens)
 
     def on_tokens(self, timer: RequestTimer, num_tokens: int, now: float) -> None:
         if num_tokens <= 0:
             return
         if timer.first_token is None:
             timer.first_token = now
+            self.counters["evenflow:prompt_tokens_total"] += timer.prompt_tokens
             self.histograms["evenflow:time_to_first_token_seconds"].observe(now - timer.arrival)
         elif timer.last_token is not None:
             self.histograms["evenflow:inter_token_latency_seconds"].observe(now - timer.last_token)

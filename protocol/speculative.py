@@ -11,21 +11,23 @@ import msgspec
 from msgspec import Struct
 
 SPECULATIVE_METHODS = ("ngram",)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 16  # see SpeculativeConfig
 
 
 class SpeculativeConfig(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """``{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B}``.
 
     ``disable_by_batch_size``: no drafts in a step once this many requests are running (vLLM's
-    name; None = never). Drafting pays while the forward is memory-bound; on a CPU a large batch
-    is compute-bound already and drafts only add work.
+    name). Unlike vLLM, unset means 16, not never: drafting pays while the forward is memory-bound,
+    but on a CPU a large batch is compute-bound already and drafting regardless measured 0.45x the
+    output tok/s at saturation (docs/speculative_decoding.md). An explicit null means never.
     """
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @property
     def ngram_min(self) -> int:

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     settings: dict[str, str | None] = {"off": None, "ngram": args.spec}
     spec = json.loads(args.spec)
     if not args.no_load_switch and spec.get("disable_by_batch_size") is not None:
-        settings["ngram-always"] = json.dumps({k: v for k, v in spec.items() if k != "disable_by_batch_size"})
+        settings["ngram-always"] = json.dumps({**spec, "disable_by_batch_size": None})  # null: never
     with tempfile.TemporaryDirectory(prefix="bench-spec-") as tmp:
         cells = asyncio.run(bench(args, settings, Path(tmp)))
     print(f"\nspeculative config: {args.spec}\n")

@@ -238,5 +238,6 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
 
 
 def check_model(requested: str | None, served: list[str] | set[str]) -> None:
-    if requested is not None and requested not in served:
+    # No model, or "", means the served one, as in vLLM (_is_model_supported).
+    if requested and requested not in served:
         raise APIError(404, f"The model `{requested}` does not exist. Served: {', '.join(served)}.", "model")

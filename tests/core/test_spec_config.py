@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from evenflow.core.engine_config import ConfigError, config_from_args
@@ -23,6 +24,14 @@ def test_flag_parses_vllm_json(model: str) -> None:
     cfg = config_from_args(["--model", model, "--speculative-config", json.dumps(spec)])
     assert cfg.speculative_config == SpeculativeConfig("ngram", 4, 2, 5)
     assert config_from_args(["--model", model]).speculative_config is None
+
+
+def test_disable_by_batch_size_defaults_to_16_and_null_means_never() -> None:
+    assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2}').disable_by_batch_size == 16
+    never = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": null}')
+    assert never.disable_by_batch_size is None
+    # The worker receives what the engine-core parsed, "never" included.
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(never), type=SpeculativeConfig).disable_by_batch_size is None
 
 
 def test_lookup_defaults_follow_vllm() -> None:

@@ -94,3 +94,14 @@ def test_log_line_only_with_activity() -> None:
     busy = SchedulerStats(num_running=3, num_generation_tokens=500, num_prompt_tokens=100, kv_cache_usage=0.5)
     line = stats_log_line(idle, busy, 10.0)
     assert line is not None and "50.0 tokens/s" in line and "Running: 3 reqs" in line and "KV cache usage: 50.0%" in line
+
+
+def test_prompt_tokens_count_at_the_first_token_so_refused_requests_do_not() -> None:
+    m = FrontendMetrics("demo")
+    refused = m.on_request_start(100, arrival=0.0)  # overloaded: the engine answers no token
+    m.on_finish(refused, "abort", now=0.1)
+    served = m.on_request_start(7, arrival=0.0)
+    assert m.counters["evenflow:prompt_tokens_total"] == 0  # nothing prefilled yet
+    m.on_tokens(served, 1, now=0.2)
+    m.on_tokens(served, 1, now=0.3)
+    assert m.counters["evenflow:prompt_tokens_total"] == 7

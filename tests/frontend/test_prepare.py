@@ -114,6 +114,7 @@ def test_chat_without_template_is_a_clear_400(demo_tokenizer: Tokenizer) -> None
 
 def test_unknown_model_is_404() -> None:
     check_model(None, {"demo"})
+    check_model("", {"demo"})  # empty means the served model, as in vLLM
     check_model("demo", {"demo"})
     with _raises(404, "nope"):
         check_model("nope", {"demo"})

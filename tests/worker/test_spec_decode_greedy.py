@@ -24,7 +24,7 @@ def copy_prompt(seed: int, length: int, vocab: int = 256) -> list[int]:
 
 @pytest.fixture(scope="module", params=[1, 3, 5])
 def spec_runner(request: pytest.FixtureRequest, tiny_llama: Path) -> ModelRunner:
-    spec = SpeculativeConfig("ngram", request.param, prompt_lookup_min=1, prompt_lookup_max=3)
+    spec = SpeculativeConfig("ngram", request.param, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=None)
     return make_runner(tiny_llama, num_blocks=256, block_size=8, speculative_config=spec)
 
 

@@ -17,7 +17,7 @@ from tests.worker.test_sampler import CHI2_999
 
 VOCAB = 6
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # the suffix [1, 2] (and [3, 1, 2]) recur: drafts [3, 1, 2, ...]
-SPEC = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3)
+SPEC = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=None)  # draft at any load
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", [None, SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3)])
+@pytest.mark.parametrize("spec", [None, SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3,
+                                                                disable_by_batch_size=None)])
 def test_tp2_equals_tp1(tiny_llama: Path, tmp_path: Path, spec: SpeculativeConfig | None) -> None:
     # TP 1 with the real scheduler, recording its steps (chunked prefill, mixed decode/prefill).
     runner = make_runner(tiny_llama, num_blocks=64, block_size=8, max_num_seqs=8, speculative_config=spec)

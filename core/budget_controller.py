@@ -11,9 +11,11 @@ root, not a search.
 * With no decodes running there are no streams to protect: the whole budget goes to prompts.
 * Trust: P is at most twice the largest prefill the model has been fitted on, so a model that has
   only seen small steps grows its steps by doubling instead of extrapolating far.
-* The prediction is divided into the target after scaling by a tracked high quantile (95th) of
-  measured / predicted: a noisy machine gets headroom, a steady one none, and the share of steps
-  within target stays high rather than half of them running over.
+* Headroom: the step is aimed at the target minus a tracked high quantile (95th) of measured -
+  predicted seconds: a noisy machine gets headroom, a steady one none, and the share of steps
+  within target stays high rather than half of them running over. The margin is absolute, not a
+  ratio: a decode step's jitter is a few milliseconds whatever the target, and a ratio learned on
+  short decode-only steps took as much from every prefill allowance (a tiny model lost 30%).
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from .step_time_model import StepShape, StepTimeModel
 PREFILL_FLOOR_TOKENS = 16
 MIN_OBSERVATIONS = 8  # steps observed before the model's prediction is trusted over the floor
 TRUST_GROWTH = 2.0
-# The tracked quantile of measured / predicted step time, updated multiplicatively per step.
+# The tracked quantile of measured - predicted step time (seconds), moved by a share of the
+# target per step: up by QUANTILE * STEP when a step overran its prediction + margin, else down.
 ERROR_QUANTILE = 0.95
-ERROR_QUANTILE_STEP = 0.05
-ERROR_TOLERANCE = 1.02  # a step this close to its prediction is not a miss (rounding, clock jitter)
-ERROR_SCALE_RANGE = (1.0, 3.0)  # never aim above the target
+ERROR_QUANTILE_STEP = 0.02  # of the target
+ERROR_MARGIN_MAX = 0.5  # of the target: never aim below half of it
 BUDGET_LOG2_BUCKETS = 17  # budgets up to 2**16 tokens; bucket i counts budgets in (2**(i-1), 2**i]
 
 
@@ -65,7 +67,7 @@ class BudgetController:
         self.target_s = target_s
         self.max_tokens = max_tokens
         self.model = StepTimeModel(max_tokens, max_model_len, max_requests)
-        self.error_scale = 1.0
+        self.error_margin_s = 0.0
         self.largest_prefill_seen = 0
         self.stats = BudgetStats()
         self._planned: dict[int, _Planned] = {}  # step_id -> what was predicted for it
@@ -99,7 +101,7 @@ class BudgetController:
         d = survey.decodes
         base = (fixed + per_token * d + per_pair * (survey.decode_context + d)
                 + per_request * (d + max(survey.prefills, 1)))
-        slack = base - self.target_s / self.error_scale  # negative: room for prefill
+        slack = base - (self.target_s - self.error_margin_s)  # negative: room for prefill
         if slack >= 0:
             return 0
         # per_pair/2 * P^2 + (per_token + per_pair * (C + 1/2)) * P + slack <= 0
@@ -141,10 +143,9 @@ class BudgetController:
             s.measured_s += seconds
             s.num_steps += 1
             s.num_within_target += seconds <= self.target_s
-            above = seconds > planned.predicted_s * self.error_scale * ERROR_TOLERANCE
-            step = ERROR_QUANTILE_STEP * (ERROR_QUANTILE if above else ERROR_QUANTILE - 1)
-            low, high = ERROR_SCALE_RANGE
-            self.error_scale = min(max(self.error_scale * math.exp(step), low), high)
+            above = seconds > planned.predicted_s + self.error_margin_s
+            step = ERROR_QUANTILE_STEP * self.target_s * (ERROR_QUANTILE if above else ERROR_QUANTILE - 1)
+            self.error_margin_s = min(max(self.error_margin_s + step, 0.0), ERROR_MARGIN_MAX * self.target_s)
         self.model.observe(planned.shape, seconds)
 
     def fill_stats(self, stats: SchedulerStats) -> SchedulerStats:

@@ -27,7 +27,7 @@ from evenflow.protocol import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 
 from .config import SchedulerConfig
 from .prefill_gate import PrefillGate, RunningSurvey
-from .step_time_model import StepShape, StepTimeModel
+from .step_time_model import StepShape, StepTimeModel, shape_of_step
 
 PREFILL_FLOOR_TOKENS = 16
 MIN_OBSERVATIONS = 8  # steps observed before the model's prediction is trusted over the floor
@@ -97,16 +97,17 @@ class BudgetController:
         return allowance
 
     def _largest_within_target(self, survey: RunningSurvey) -> int:
-        fixed, per_token, per_pair, per_request = self.model.coefficients()
-        d = survey.decodes
-        base = (fixed + per_token * d + per_pair * (survey.decode_context + d)
-                + per_request * (d + max(survey.prefills, 1)))
+        cost = self.model.coefficients()
+        d, c = survey.decodes, survey.first_prefill_context
+        base = (cost.fixed + cost.per_token * d + cost.per_read * (survey.decode_context + d + c)
+                + cost.per_request * (d + max(survey.prefills, 1)))
         slack = base - (self.target_s - self.error_margin_s)  # negative: room for prefill
         if slack >= 0:
             return 0
-        # per_pair/2 * P^2 + (per_token + per_pair * (C + 1/2)) * P + slack <= 0
-        a = per_pair / 2
-        b = per_token + per_pair * (survey.first_prefill_context + 0.5)
+        # A chunk of P after C: P tokens, C + P reads, P * (C + (P + 1) / 2) pairs, so
+        # per_pair/2 * P^2 + (per_token + per_read + per_pair * (C + 1/2)) * P + slack <= 0
+        a = cost.per_pair / 2
+        b = cost.per_token + cost.per_read + cost.per_pair * (c + 0.5)
         if a > 0:
             p = (-b + math.sqrt(b * b - 4 * a * slack)) / (2 * a)
         elif b > 0:
@@ -120,11 +121,8 @@ class BudgetController:
         if output.total_num_scheduled_tokens == 0:
             return
         survey = gate.survey
-        shape = StepShape(
-            tokens=output.total_num_scheduled_tokens,
-            context_pairs=survey.decode_context + survey.decodes + gate.prefill_pairs,
-            requests=len(output.num_scheduled_tokens),
-        )
+        drafts = max(output.total_num_scheduled_tokens - survey.decodes - gate.prefill_tokens, 0)
+        shape = shape_of_step(survey.decodes, survey.decode_context, gate.chunks, drafts)
         step_id = output.step_id
         self._planned.pop(step_id - 8, None)  # a step never sent (an engine shutting down) is not kept
         self._planned[step_id] = _Planned(shape, self.model.predict(shape), survey.decodes > 0)

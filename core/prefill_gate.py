@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from .config import SchedulerConfig
 from .request import Request
-from .step_time_model import chunk_pairs
 
 
 @dataclass
@@ -77,7 +76,7 @@ class PrefillGate:
         self.max_partial, self.max_long, self.long_threshold = max_partial, max_long, long_threshold
         self.num_prefills = self.num_long = 0  # granted in this step
         self.prefill_tokens = 0
-        self.prefill_pairs = 0.0
+        self.chunks: list[tuple[int, int]] = []  # (new tokens, computed before), for the step-time model
         if self.bounded:
             schedulable = max(1, min(max_partial, survey.prefills + num_waiting))
             self.chunk_cap = max(1, allowance // schedulable)
@@ -111,4 +110,4 @@ class PrefillGate:
         self.num_long += self._is_long(left)
         self.allowance_left -= num_new
         self.prefill_tokens += num_new
-        self.prefill_pairs += chunk_pairs(num_new, num_computed)
+        self.chunks.append((num_new, num_computed))

@@ -2,15 +2,22 @@
 
 A step's time is close to linear in what it holds (Sarathi-Serve, vLLM's profiling): a fixed
 cost (launches, scheduling, the weights streamed once per step), a cost per token (the linears),
-a cost per (query token, context token) pair (attention) and a cost per request (sampling,
-per-request input building). So the model is
+a cost per K/V token read (attention reading each request's context: what a decode's attention
+costs, memory-bound), a cost per (query, key) pair of a prefill chunk (attention's arithmetic,
+which only a chunk of many queries makes large) and a cost per request (sampling, per-request
+input building). So the model is
 
-    seconds = theta . (1, tokens / T, context_pairs / (T * L), requests / R)
+    seconds = theta . (1, tokens / T, kv_reads / L, prefill_pairs / (T * L), requests / R)
 
 with T, L, R the budget, max_model_len and max_num_seqs (so that every feature is O(1) and the
 fit is well conditioned), fitted by recursive least squares with exponential forgetting: every
-observation costs a 4x4 update, and old steps fade with ``FORGETTING`` per step, so a new model or
+observation costs a 5x5 update, and old steps fade with ``FORGETTING`` per step, so a new model or
 a machine that got slower (another process on a core) is followed within a few dozen steps.
+
+Why reads and pairs apart: a decode reads C keys for one query, a chunk of P queries reads its C
+keys once and does P*C dot products. One "pairs" term priced a chunk's pairs at a decode's
+memory-bound rate: on the tiny model it overpriced a 64-token chunk after 1,536 tokens several
+times over (``scripts/profile_step_time.py`` times a grid of shapes and shows both fits).
 
 Forgetting lets the covariance grow without bound in directions the recent steps do not excite
 (e.g. a long run of decode-only steps says nothing about the cost of prefill tokens); it is capped
@@ -20,6 +27,7 @@ Forgetting lets the covariance grow without bound in directions the recent steps
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,7 +43,8 @@ class StepShape:
     """What one step holds, in the units the model takes."""
 
     tokens: float  # tokens computed in the step
-    context_pairs: float  # sum over requests of new tokens x context each attends to
+    kv_reads: float  # sum over requests of the keys its attention reads (its context after the step)
+    prefill_pairs: float  # sum over prefill chunks of (query, key) pairs
     requests: float  # requests in the step
 
 
@@ -44,17 +53,41 @@ def chunk_pairs(num_new: float, num_computed: float) -> float:
     return num_new * (num_computed + (num_new + 1) / 2)
 
 
+def shape_of_step(decodes: int, decode_computed: int, chunks: list[tuple[int, int]], drafts: int = 0) -> StepShape:
+    """A step of ``decodes`` decodes (``decode_computed``: their computed tokens, summed; ``drafts``:
+    speculative tokens verified beside them) and prefill ``chunks`` given as (new tokens, computed
+    tokens before the chunk). A draft is priced as a token and a read; its few pairs are left out."""
+    new = sum(n for n, _ in chunks)
+    return StepShape(
+        tokens=decodes + drafts + new,
+        kv_reads=decode_computed + decodes + drafts + sum(computed for _, computed in chunks) + new,
+        prefill_pairs=sum(chunk_pairs(n, computed) for n, computed in chunks),
+        requests=decodes + len(chunks),
+    )
+
+
+class StepCosts(NamedTuple):
+    """Seconds per step, per token, per K/V token read, per prefill pair, per request."""
+
+    fixed: float
+    per_token: float
+    per_read: float
+    per_pair: float
+    per_request: float
+
+
 class StepTimeModel:
-    """Recursive least squares over (1, tokens, context pairs, requests) with forgetting."""
+    """Recursive least squares over (1, tokens, K/V reads, prefill pairs, requests) with forgetting."""
 
     def __init__(self, max_tokens: int, max_model_len: int, max_requests: int) -> None:
-        self.scale = np.array([1.0, 1.0 / max_tokens, 1.0 / (max_tokens * max_model_len), 1.0 / max_requests])
-        self.theta = np.zeros(4)  # seconds per scaled feature
-        self.covariance = np.eye(4) * INITIAL_COVARIANCE
+        self.scale = np.array([1.0, 1.0 / max_tokens, 1.0 / max_model_len, 1.0 / (max_tokens * max_model_len),
+                               1.0 / max_requests])
+        self.theta = np.zeros(5)  # seconds per scaled feature
+        self.covariance = np.eye(5) * INITIAL_COVARIANCE
         self.num_observations = 0
 
     def features(self, shape: StepShape) -> np.ndarray:
-        return self.scale * np.array([1.0, shape.tokens, shape.context_pairs, shape.requests])
+        return self.scale * np.array([1.0, shape.tokens, shape.kv_reads, shape.prefill_pairs, shape.requests])
 
     def predict(self, shape: StepShape) -> float:
         return float(self.theta @ self.features(shape))
@@ -72,8 +105,7 @@ class StepTimeModel:
         self.covariance = covariance
         self.num_observations += 1
 
-    def coefficients(self) -> tuple[float, float, float, float]:
-        """(seconds per step, per token, per context pair, per request), negatives read as 0:
-        a fit on few, similar steps can tilt one cost below zero, and no real cost is negative."""
-        fixed, per_token, per_pair, per_request = np.maximum(self.theta * self.scale, 0.0)
-        return float(fixed), float(per_token), float(per_pair), float(per_request)
+    def coefficients(self) -> StepCosts:
+        """The fitted costs, negatives read as 0: a fit on few, similar steps can tilt one cost
+        below zero, and no real cost is negative."""
+        return StepCosts(*(float(c) for c in np.maximum(self.theta * self.scale, 0.0)))

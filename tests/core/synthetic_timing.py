@@ -9,11 +9,13 @@ from evenflow.protocol import SchedulerOutput
 
 @dataclass
 class SyntheticMachine:
-    """seconds = fixed + per_token * tokens + per_pair * (query, key) pairs + per_request * requests,
-    times ``slowdown`` (another process taking a core)."""
+    """seconds = fixed + per_token * tokens + per_read * K/V tokens read + per_pair * (query, key)
+    pairs + per_request * requests, times ``slowdown`` (another process taking a core). Reads are
+    priced well above pairs, as on real hardware, where a decode's attention is memory-bound."""
 
     fixed: float = 2e-3
     per_token: float = 20e-6
+    per_read: float = 0.2e-6
     per_pair: float = 2e-9
     per_request: float = 50e-6
     slowdown: float = 1.0
@@ -22,7 +24,9 @@ class SyntheticMachine:
         computed = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
         computed.update((cached.req_id, cached.num_computed_tokens) for cached in output.scheduled_cached_reqs)
         pairs = sum(n * (computed[req_id] + (n + 1) / 2) for req_id, n in output.num_scheduled_tokens.items())
+        reads = sum(computed[req_id] + n for req_id, n in output.num_scheduled_tokens.items())
         tokens = output.total_num_scheduled_tokens
         requests = len(output.num_scheduled_tokens)
-        seconds = self.fixed + self.per_token * tokens + self.per_pair * pairs + self.per_request * requests
+        seconds = (self.fixed + self.per_token * tokens + self.per_read * reads + self.per_pair * pairs
+                   + self.per_request * requests)
         return seconds * self.slowdown

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from evenflow.protocol import ModelRunnerOutput, SpeculativeConfig
 
-from .test_scheduler import add, make_scheduler
+from .fake_model import FakeWorker
+from .test_scheduler import add, make_scheduler, run_step, sample
 
 
 def test_drafts_are_cut_at_max_model_len() -> None:
@@ -42,3 +43,82 @@ def test_long_prefill_threshold_of_one_token_prefills_one_token_a_step() -> None
     scheduler = make_scheduler(long_prefill_token_threshold=1)
     add(scheduler, "a", 3)
     assert [scheduler.schedule().num_scheduled_tokens for _ in range(3)] == [{"a": 1}] * 3
+
+
+def test_abort_goes_past_unknown_ids_and_reports_each_prefix_hit() -> None:
+    scheduler = make_scheduler(block_size=4)
+    add(scheduler, "a", 10)
+    scheduler.schedule()
+    add(scheduler, "b", 10)
+    scheduler.schedule()  # b finds a's two full blocks
+    outputs = scheduler.abort_requests(["gone", "b", "never", "a"])
+    assert [(o.request_id, o.finish_reason, o.num_cached_tokens) for o in outputs] == [("b", "abort", 8),
+                                                                                       ("a", "abort", 0)]
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_stats_count_running_waiting_kv_usage_and_every_preemption() -> None:
+    scheduler = make_scheduler(num_kv_blocks=4, block_size=4, max_model_len=16)
+    worker = FakeWorker(4, 4)
+    for i in range(3):
+        add(scheduler, f"r{i}", 3, arrival=float(i), max_tokens=9)
+    run_step(scheduler, worker)  # the three prompts take three of the four blocks
+    stats = scheduler.get_stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_preemptions) == (3, 0, 0)
+    assert stats.kv_cache_usage == scheduler.kv_cache_manager.usage > 0
+    preempted = 0
+    while scheduler.has_unfinished_requests():
+        preempted += len(run_step(scheduler, worker).preempted_req_ids)
+        stats = scheduler.get_stats()
+        assert (stats.num_running, stats.num_waiting) == (len(scheduler.running), len(scheduler.waiting))
+        assert stats.num_preemptions == preempted
+    assert preempted >= 2
+
+
+def test_a_finished_request_leaves_running_when_a_preempted_one_finishes_after_it() -> None:
+    """Overlap: a and b get their last tokens in step 1; step 2, scheduled before that output,
+    preempts b for c. Applying step 1 then finishes a (running) and b (preempted), in that order."""
+    scheduler = make_scheduler(num_kv_blocks=3, block_size=4, max_model_len=12)
+    add(scheduler, "a", 3, max_tokens=2)
+    add(scheduler, "c", 3, arrival=1.0)
+    add(scheduler, "b", 3, arrival=2.0, max_tokens=2)
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, sample(first, {}, scheduler))
+    last = scheduler.schedule()
+    assert last.num_scheduled_tokens == {"a": 1, "c": 1, "b": 1}
+    in_flight = sample(last, {}, scheduler)
+    assert scheduler.schedule().preempted_req_ids == ["b"]
+    outputs = scheduler.update_from_output(last, in_flight)
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", "length"), ("c", None), ("b", "length")]
+    assert [request.request_id for request in scheduler.running] == ["c"]
+
+
+def test_a_request_preempted_with_drafts_in_flight_resumes_with_blocks_for_every_token() -> None:
+    """Overlap: b's step with two draft slots is in flight when the next step preempts it; its
+    drafts are then rejected. Stepping back over them is for running requests only: a preempted
+    one has forgotten its progress, and resumes with blocks for all its tokens."""
+    spec = SpeculativeConfig("ngram", 2, disable_by_batch_size=None)
+    scheduler = make_scheduler(num_kv_blocks=3, block_size=4, max_model_len=12, speculative_config=spec)
+    add(scheduler, "a", 3, max_tokens=4)
+    b = add(scheduler, "b", 3, arrival=1.0, max_tokens=4)
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, ModelRunnerOutput(first.step_id, ["a", "b"], [[5], [5]],
+                                                          spec_token_ids=[[], [6, 7]]))
+    drafting = scheduler.schedule()
+    assert drafting.scheduled_spec_decode_tokens == {"b": [-1, -1]}
+    following = scheduler.schedule()
+    assert following.preempted_req_ids == ["b"]
+    scheduler.update_from_output(drafting, ModelRunnerOutput(drafting.step_id, ["a", "b"], [[5], [5]],
+                                                             spec_token_ids=[[], []], num_draft_tokens=[0, 2]))
+    assert b.num_computed_tokens == 0 and b.num_tokens == 5
+    scheduler.update_from_output(following, sample(following, {}, scheduler))
+    resumed = []
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        for cached in output.scheduled_cached_reqs:
+            if cached.resumed_from_preemption:
+                blocks = scheduler.kv_cache_manager.get_block_ids(cached.req_id)
+                resumed.append((cached.num_computed_tokens + output.num_scheduled_tokens[cached.req_id],
+                                len(blocks) * 4))
+        scheduler.update_from_output(output, sample(output, {}, scheduler))
+    assert resumed and all(end <= room for end, room in resumed), resumed

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
+import pytest
+from evenflow.core import scheduler as scheduler_module
 from evenflow.protocol import ModelRunnerOutput, SpeculativeConfig
 
 from .fake_model import FakeWorker
@@ -122,3 +127,28 @@ def test_a_request_preempted_with_drafts_in_flight_resumes_with_blocks_for_every
                                 len(blocks) * 4))
         scheduler.update_from_output(output, sample(output, {}, scheduler))
     assert resumed and all(end <= room for end, room in resumed), resumed
+
+
+def test_running_decodes_take_the_budget_to_its_last_token_past_one_with_nothing_to_run() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=3)
+    for i, max_tokens in enumerate((100, 2, 100)):
+        add(scheduler, "abc"[i], 1, arrival=float(i), max_tokens=max_tokens)
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, sample(first, {}, scheduler))
+    second = scheduler.schedule()
+    assert second.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1}  # c takes the budget's last token
+    # Overlap: b's last token is in flight, so b has nothing to run; c behind it still runs.
+    assert scheduler.schedule().num_scheduled_tokens == {"a": 1, "c": 1}
+
+
+def test_stats_add_up_the_time_of_every_schedule_and_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    ticks = iter(range(1000))
+    fake_time = SimpleNamespace(perf_counter=lambda: float(next(ticks)), time=time.time)
+    monkeypatch.setattr(scheduler_module, "time", fake_time)  # every measured span lasts 1 s
+    scheduler = make_scheduler()
+    add(scheduler, "a", 5)
+    for _ in range(3):
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, sample(output, {}, scheduler))
+    stats = scheduler.get_stats()
+    assert (stats.schedule_s, stats.update_s) == (3.0, 3.0)

@@ -152,3 +152,17 @@ def test_stats_add_up_the_time_of_every_schedule_and_update(monkeypatch: pytest.
         scheduler.update_from_output(output, sample(output, {}, scheduler))
     stats = scheduler.get_stats()
     assert (stats.schedule_s, stats.update_s) == (3.0, 3.0)
+
+
+def test_a_one_token_prefill_chunk_is_held_to_the_prefill_allowance_too() -> None:
+    """With --target-itl-ms and a decode running, prompts get the controller's floor of 16 tokens
+    a step: r0 and r1 take 8 each (the long-prefill threshold), and r2, admitted with the last
+    token of the first step, gets none: a budget of 18 leaves it one token, over the allowance."""
+    scheduler = make_scheduler(max_num_batched_tokens=18, target_itl_ms=50.0, long_prefill_token_threshold=8)
+    add(scheduler, "d", 1)
+    for i in range(3):
+        add(scheduler, f"r{i}", 40, arrival=1.0 + i)
+    worker = FakeWorker(64, 4)
+    assert run_step(scheduler, worker).num_scheduled_tokens == {"d": 1, "r0": 8, "r1": 8, "r2": 1}
+    for _ in range(2):
+        assert run_step(scheduler, worker).num_scheduled_tokens == {"d": 1, "r0": 8, "r1": 8}

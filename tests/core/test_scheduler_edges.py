@@ -166,3 +166,48 @@ def test_a_one_token_prefill_chunk_is_held_to_the_prefill_allowance_too() -> Non
     assert run_step(scheduler, worker).num_scheduled_tokens == {"d": 1, "r0": 8, "r1": 8, "r2": 1}
     for _ in range(2):
         assert run_step(scheduler, worker).num_scheduled_tokens == {"d": 1, "r0": 8, "r1": 8}
+
+
+def test_fcfs_admits_in_arrival_order_whatever_the_priority_and_sends_the_params() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    low = add(scheduler, "low", 8, priority=5)
+    add(scheduler, "high", 8, arrival=1.0, priority=0)
+    (new,) = scheduler.schedule().scheduled_new_reqs  # the budget admits one: the first to arrive
+    assert (new.req_id, new.prompt_token_ids, new.sampling_params) == ("low", list(low.prompt_token_ids),
+                                                                        low.sampling_params)
+
+
+def test_priority_policy_keeps_running_in_priority_order_so_a_later_urgent_request_is_not_the_victim() -> None:
+    scheduler = make_scheduler(num_kv_blocks=8, max_model_len=32, policy="priority")
+    worker = FakeWorker(8, 4)
+    add(scheduler, "low", 14, priority=5)
+    run_step(scheduler, worker)
+    add(scheduler, "high", 14, arrival=1.0, priority=0, first_token=20)  # joins running after low
+    preempted: list[str] = []
+    while not preempted:
+        preempted = run_step(scheduler, worker).preempted_req_ids
+    assert preempted == ["low"]
+
+
+def test_prefix_caching_off_finds_no_hit() -> None:
+    scheduler = make_scheduler(block_size=4, enable_prefix_caching=False)
+    add(scheduler, "a", 10)
+    scheduler.schedule()
+    add(scheduler, "b", 10)  # the same prompt
+    (new,) = scheduler.schedule().scheduled_new_reqs
+    assert new.num_computed_tokens == 0
+    assert scheduler.get_stats().prefix_cache_hits == 0
+
+
+def test_a_request_still_owed_a_token_does_not_hold_up_the_queue() -> None:
+    """Two steps in flight: b, preempted by the second while its token from the first is still
+    owed, waits for that token; c, behind it, is admitted meanwhile."""
+    scheduler = make_scheduler(num_kv_blocks=3, block_size=4, max_model_len=12)
+    add(scheduler, "a", 3)
+    add(scheduler, "b", 5, arrival=1.0)
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, sample(first, {}, scheduler))
+    assert scheduler.schedule().num_scheduled_tokens == {"a": 1, "b": 1}
+    assert scheduler.schedule().preempted_req_ids == ["b"]
+    add(scheduler, "c", 3, arrival=2.0)
+    assert [new.req_id for new in scheduler.schedule().scheduled_new_reqs] == ["c"]

@@ -181,7 +181,7 @@ def test_bad_grammar_and_missing_library_are_refused_with_the_reason(tokenizer_f
     monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance now fails
     with pytest.raises(ValueError, match=r"evenflow\[structured\]"):
         add(make(tokenizer_file), "x", StructuredOutputsParams(regex="a"))
-    with pytest.raises(ValueError, match="does not serve structured output"):
+    with pytest.raises(ValueError, match="^this engine-core does not serve structured output$"):
         Scheduler(SchedulerConfig(num_kv_blocks=16, max_num_batched_tokens=8, max_model_len=64, block_size=4)).add_request(
             Request("y", [1], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"))))
 

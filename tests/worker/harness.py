@@ -8,6 +8,7 @@ from pathlib import Path
 from evenflow.core.config import SchedulerConfig
 from evenflow.core.request import Request
 from evenflow.core.scheduler import Scheduler
+from evenflow.core.structured_output import StructuredOutputManager
 from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput, WorkerConfig
 from evenflow.worker.runner import ModelRunner
 
@@ -21,6 +22,7 @@ class Job:
     max_tokens: int
     arrive_step: int = 0
     params: SamplingParams | None = None
+    eos_token_ids: tuple[int, ...] = ()  # as the engine passes the model's; () never stops on EOS
 
 
 @dataclass
@@ -58,11 +60,14 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def run_jobs(runner: ModelRunner, jobs: list[Job], num_blocks: int, budget: int = 2048, overlap: bool = False,
              enable_prefix_caching: bool = True, max_steps: int = 2000,
-             max_model_len: int | None = None, scheduler_overrides: dict[str, object] | None = None) -> RunResult:
+             max_model_len: int | None = None, scheduler_overrides: dict[str, object] | None = None,
+             structured_output: StructuredOutputManager | None = None) -> RunResult:
     """Run ``jobs`` to completion; with ``overlap`` step N+1 is scheduled before N's output applies.
 
     The runner's cache is reallocated to ``num_blocks`` so that it matches the scheduler's pool.
     ``scheduler_overrides`` sets any other SchedulerConfig field (max_num_seqs, policy, ...).
+    ``structured_output`` serves jobs whose params carry a grammar; each grammar is compiled
+    before its request's first step, so the steps do not depend on compile time.
     """
     runner.init_kv_cache(num_blocks)
     # Rows keep a previous run's block ids past their live blocks (read, then masked, by padded
@@ -73,14 +78,18 @@ def run_jobs(runner: ModelRunner, jobs: list[Job], num_blocks: int, budget: int 
                                       block_size=runner.block_size,
                                       enable_prefix_caching=enable_prefix_caching,
                                       speculative_config=runner.config.speculative_config,
-                                      **(scheduler_overrides or {})))  # type: ignore[arg-type]
+                                      **(scheduler_overrides or {})),  # type: ignore[arg-type]
+                      structured_output)
     result = RunResult({j.req_id: [] for j in jobs})
     pending = sorted(jobs, key=lambda j: j.arrive_step)
     in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput | None]] = []
     for step in range(max_steps):
         while pending and pending[0].arrive_step <= step:
             j = pending.pop(0)
-            sched.add_request(Request(j.req_id, j.prompt, j.params or greedy(j.max_tokens)))
+            request = Request(j.req_id, j.prompt, j.params or greedy(j.max_tokens), j.eos_token_ids)
+            sched.add_request(request)
+            if request.grammar is not None:
+                request.grammar.compiled.result(timeout=60)
         if not sched.has_unfinished_requests() and not pending:
             break
         so = sched.schedule()

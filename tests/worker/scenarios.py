@@ -6,14 +6,14 @@ runs it and asserts every greedy output equals the reference token for token, an
 samples only in the steps whose chunk reached the end of its known tokens.
 
 Both the property test and the deterministic boundary cases go through ``check``. To cover a new
-mechanism, add its knobs here rather than a new harness:
-- speculative decoding: put the worker's option in ``runner_overrides`` (a WorkerConfig field,
-  e.g. the draft method) and any scheduler one in ``scheduler_overrides``; greedy outputs must
-  still equal the plain reference, so ``References.expected`` applies unchanged, and the sample
-  check below must then allow several tokens per step (``sampled_per_step``).
-- grammars: give the job ``params`` with the structured-output field set and a ``reference``
-  (a callable prompt, max_tokens -> tokens) computing transformers greedy under the same
-  constraint; ``References.expected`` uses it instead of plain greedy.
+mechanism, add its knobs here rather than a new harness. Two are wired so far:
+- speculative decoding (test_chunk_boundaries_spec.py): ``runner_overrides`` carries the
+  worker's ``speculative_config`` (``run_jobs`` hands it to the scheduler too); greedy outputs
+  must still equal the plain reference. The sample check reads each step's draft slots: a chunk
+  samples when it reaches the known end *before* its drafts, and emits 1 to 1 + slots tokens.
+- grammars (test_chunk_boundaries_grammar.py): the job's ``params`` set ``structured_outputs``,
+  ``structured_output`` is the scheduler's grammar manager, and ``references[req_id]`` computes
+  transformers greedy under the same constraint (``References.expected`` uses it instead).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evenflow.core.structured_output import StructuredOutputManager
 from evenflow.worker.runner import ModelRunner
 
 from tests.checkpoints import reference_greedy
@@ -56,6 +57,7 @@ class Scenario:
     runner_overrides: dict[str, object] = field(default_factory=dict)
     # Per-job reference (e.g. constrained greedy for a grammar); default: plain transformers greedy.
     references: dict[str, Callable[[list[int], int], list[int]]] = field(default_factory=dict)
+    structured_output: StructuredOutputManager | None = None  # for jobs whose params set a grammar
 
 
 def expected_num_outputs(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
@@ -98,10 +100,11 @@ class Runners:
 
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = model_dir
-        self._runners: dict[tuple[int, tuple[tuple[str, object], ...]], ModelRunner] = {}
+        self._runners: dict[tuple[int, tuple[tuple[str, str], ...]], ModelRunner] = {}
 
     def get(self, block_size: int, overrides: dict[str, object]) -> ModelRunner:
-        key = (block_size, tuple(sorted(overrides.items())))
+        # Keyed by repr: some options (SpeculativeConfig, a msgspec Struct) are not hashable.
+        key = (block_size, tuple(sorted((name, repr(value)) for name, value in overrides.items())))
         if key not in self._runners:
             self._runners[key] = make_runner(self.model_dir, num_blocks=8, block_size=block_size,
                                              max_model_len=RUNNER_MAX_MODEL_LEN, **overrides)
@@ -113,7 +116,8 @@ def check(runners: Runners, references: References, scenario: Scenario) -> RunRe
     runner = runners.get(scenario.block_size, scenario.runner_overrides)
     result = run_jobs(runner, scenario.jobs, num_blocks=scenario.num_blocks, budget=scenario.budget,
                       overlap=scenario.overlap, enable_prefix_caching=scenario.prefix_caching,
-                      max_model_len=scenario.max_model_len, scheduler_overrides=scenario.scheduler_overrides)
+                      max_model_len=scenario.max_model_len, scheduler_overrides=scenario.scheduler_overrides,
+                      structured_output=scenario.structured_output)
     assert result.outputs == references.expected(scenario), scenario
     assert_samples_only_at_chunk_ends(result)
     assert_every_step_within_budget(result, scenario.budget)
@@ -133,13 +137,17 @@ def assert_samples_only_at_chunk_ends(result: RunResult) -> None:
             known[new.req_id] = len(new.prompt_token_ids)
             computed[new.req_id] = new.num_computed_tokens
         for cached in so.scheduled_cached_reqs:
-            computed[cached.req_id] = cached.num_computed_tokens
+            # With overlap the engine counts a step's drafts as computed before it hears which
+            # were rejected; the worker trusts it only up to the last known token (batch.py).
+            computed[cached.req_id] = min(cached.num_computed_tokens, known[cached.req_id] - 1)
         for req_id, sampled in zip(mro.req_ids, mro.sampled_token_ids):
-            end = computed[req_id] + so.num_scheduled_tokens[req_id]
+            # Draft slots come after the known tokens; a step verifying d drafts emits 1..d+1.
+            num_slots = len(so.scheduled_spec_decode_tokens.get(req_id, ()))
+            end = computed[req_id] + so.num_scheduled_tokens[req_id] - num_slots
             # Steps are replayed in order, so an in-flight sample (overlap) is already counted.
             assert end <= known[req_id], (so.step_id, req_id, end, known[req_id])
             assert bool(sampled) == (end == known[req_id]), (so.step_id, req_id, end, known[req_id], sampled)
-            assert len(sampled) <= 1
+            assert len(sampled) <= 1 + num_slots, (so.step_id, req_id, num_slots, sampled)
             known[req_id] += len(sampled)
 
 

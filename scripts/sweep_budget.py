@@ -35,6 +35,7 @@ from _bench_plot import CurvePoint, plot_budget_curves  # noqa: E402
 from _bench_runner import RunOptions  # noqa: E402
 from _bench_server import ManagedServer, exit_on_sigterm  # noqa: E402
 from _bench_stats import RunStats, format_table  # noqa: E402
+from _bench_verdict import Result, verdict_lines  # noqa: E402
 from _bench_workload import add_workload_args, workload_from_args  # noqa: E402
 from bench_serving import (  # noqa: E402
     DEFAULT_VOCAB_SIZE,
@@ -113,6 +114,19 @@ def curve_point(p: SweepPoint, ttft_group: str, itl_group: str) -> CurvePoint | 
     )
 
 
+def verdict_results(points: list[SweepPoint], ttft_group: str, itl_group: str) -> list[Result]:
+    """The runs as ``_bench_verdict`` judges them (the adaptive bar: scripts/_bench_verdict.py)."""
+    out = []
+    for p in points:
+        if p.stats is None:
+            continue
+        g = p.stats.groups
+        t, i = g.get(ttft_group, g["all"]), g.get(itl_group, g["all"])
+        target = float(p.label.split()[1]) if p.label.startswith("target") else None
+        out.append(Result(p.label, target, t.ttft.p50, i.itl.p99, i.itl.p999, g["all"].total_throughput))
+    return out
+
+
 def summary_table(points: list[SweepPoint], ttft_group: str, itl_group: str) -> str:
     head = (f"{'budget':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'p99.9':>8}"
             f" {'ITL max':>8} {'tok/s':>8} {'out tok/s':>9} {'tok/step':>8} {'busy':>5} {'capacity':>8}")
@@ -163,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     points = [measure_budget(args, budget, vocab, target) for budget, target in runs[:: -1 if args.reverse else 1]]
 
     table = summary_table(points, ttft_group, itl_group)
+    if args.targets:
+        table += "\n" + "\n".join(verdict_lines(verdict_results(points, ttft_group, itl_group)))
     print("\n" + table)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "sweep.txt").write_text(table + "\n")

@@ -116,7 +116,9 @@ def main() -> None:
     ap.add_argument("--chunk-contexts", default="0,512,1536")
     args = ap.parse_args()
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
-    block_size, max_len = 16, 4096
+    block_size = 16
+    longest = max(max(ints(args.decode_contexts)), max(ints(args.chunk_contexts)) + max(ints(args.chunks)) + 1)
+    max_len = -(-(longest + 1) // block_size) * block_size  # room for every shape's prompt and its one new token
     grid = [Shape(d, cd, p, cp) for d, cd, p, cp in itertools.product(
         ints(args.decodes), ints(args.decode_contexts), ints(args.chunks), ints(args.chunk_contexts))
         if (d or p) and not (d == 0 and cd != ints(args.decode_contexts)[0]) and not (p == 0 and cp)]

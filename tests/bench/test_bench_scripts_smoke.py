@@ -59,3 +59,17 @@ def test_bench_frontend_one_and_two_frontends() -> None:
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [r["frontends"] for r in results] == [1, 2]
     assert all(r["tokens"] == 8 * 8 and r["tokens_per_s"] > 0 for r in results)  # every token delivered
+
+
+def test_profile_step_time_fits_a_small_grid(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    proc = run_script("profile_step_time.py", ["--model-dir", str(tiny_llama), "--repeats", "1", "--threads", "1",
+                                               "--decodes", "0,2", "--decode-contexts", "24,40", "--chunks", "0,8,16",
+                                               "--chunk-contexts", "0,16"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    shapes = [line for line in lines if re.match(r"\s*\d+\s+\d+\s+\d+\s+\d+ \|", line)]
+    # 2 decode contexts x (no chunk + 2 chunks x 2 contexts) with decodes, plus 4 chunk-only shapes
+    assert len(shapes) == 2 * 5 + 4
+    mixed = [line for line in shapes if line.count("|") == 3]
+    assert len(mixed) == 8 and all(float(line.split("|")[1].split()[0]) > 0 for line in shapes)
+    assert lines[-1].startswith("median |error| of a step:")

@@ -33,7 +33,7 @@ declare -A TESTS=(
   [core/kv_cache_manager.py]="tests/core"
   [core/block_pool.py]="tests/core"
   [core/request.py]="tests/core"
-  [worker/batch.py]="tests/worker/test_handbuilt_steps.py tests/worker/test_runner_api.py tests/worker/test_runner_correctness.py tests/worker/test_chunk_boundaries.py tests/worker/test_chunk_boundaries_spec.py tests/worker/test_chunk_boundaries_grammar.py tests/worker/test_runner_properties.py"
+  [worker/batch.py]="tests/worker/test_handbuilt_steps.py tests/worker/test_runner_api.py tests/worker/test_runner_correctness.py tests/worker/test_chunk_boundaries.py tests/worker/test_chunk_boundaries_spec.py tests/worker/test_chunk_boundaries_grammar.py tests/worker/test_runner_properties.py tests/worker/test_batch_edges.py"
   [worker/sampler.py]="tests/worker/test_sampler.py tests/worker/test_sampler_edges.py"
 )
 ORDER=(core/block_pool.py core/request.py core/kv_cache_manager.py core/scheduler.py worker/batch.py worker/sampler.py)

@@ -10,7 +10,8 @@ import random
 
 import numpy as np
 import pytest
-from evenflow.core.budget_controller import PREFILL_FLOOR_TOKENS
+from evenflow.core.budget_controller import PREFILL_FLOOR_TOKENS, BudgetController
+from evenflow.core.prefill_gate import PrefillGate, RunningSurvey
 from evenflow.core.config import SchedulerConfig
 from evenflow.core.request import Request
 from evenflow.core.scheduler import Scheduler
@@ -228,3 +229,23 @@ def test_default_long_threshold_is_four_percent_of_max_model_len() -> None:
 def test_bad_limits_are_refused(options: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SchedulerConfig(num_kv_blocks=64, **options).validate()  # type: ignore[arg-type]
+
+
+def test_a_steps_shape_counts_every_tokens_reads_pairs_and_requests() -> None:
+    # 2 decodes (100 computed between them) verifying 3 drafts, and a 16-token chunk after 50.
+    shape = shape_of_step(2, 100, [(16, 50)], drafts=3)
+    assert shape.tokens == 2 + 3 + 16
+    assert shape.kv_reads == (100 + 2) + 3 + (50 + 16)  # each request reads its context after the step
+    assert shape.prefill_pairs == 16 * (50 + 17 / 2)  # a causal chunk: 50 earlier keys, then a triangle
+    assert shape.requests == 3
+
+
+def test_the_controller_plans_each_step_with_its_drafts_and_chunks() -> None:
+    controller = BudgetController(target_s=0.02, max_tokens=2048, max_model_len=4096, max_requests=64)
+    gate = PrefillGate(allowance=100, max_partial=1, max_long=1, long_threshold=0,
+                       survey=RunningSurvey(decodes=2, decode_context=100), num_waiting=0)
+    prompt = Request("p", list(range(3, 103)), SamplingParams(max_tokens=4))
+    gate.commit(prompt, 50, 16)
+    output = SchedulerOutput(7, [], [], {"a": 3, "b": 3, "p": 16}, 22)  # each decode verifies 2 drafts
+    controller.record(output, gate)
+    assert controller._planned[7].shape == shape_of_step(2, 100, [(16, 50)], drafts=4)

@@ -98,24 +98,15 @@ def check_against_reference(config: SchedulerConfig, plan: list[PlannedRequest],
             assert (got, reason) == (expected.token_ids, expected.finish_reason), planned.request_id
 
 
+@pytest.mark.parametrize("max_in_flight", [1, 2], ids=["one-step-in-flight", "two-steps-in-flight"])
 @pytest.mark.parametrize("gate", GATES)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads(), draw_index=st.integers(0, 7))
 def test_random_workloads_match_reference(
-    gate: str, workload: tuple[SchedulerConfig, list[PlannedRequest]], draw_index: int
+    gate: str, max_in_flight: int, workload: tuple[SchedulerConfig, list[PlannedRequest]], draw_index: int
 ) -> None:
     config, plan = workload
-    check_against_reference(gated(config, gate, draw_index), plan, max_in_flight=1)
-
-
-@pytest.mark.parametrize("gate", GATES)
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workload=workloads(), draw_index=st.integers(0, 7))
-def test_random_workloads_two_steps_in_flight(
-    gate: str, workload: tuple[SchedulerConfig, list[PlannedRequest]], draw_index: int
-) -> None:
-    config, plan = workload
-    check_against_reference(gated(config, gate, draw_index), plan, max_in_flight=2)
+    check_against_reference(gated(config, gate, draw_index), plan, max_in_flight=max_in_flight)
 
 
 @st.composite

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from evenflow.protocol import CachedRequestData, SchedulerOutput
 from tests.worker.harness import Job, RunResult
 from tests.worker.scenarios import References, Runners, Scenario, check, shared_prefix, tokens
 
@@ -24,6 +25,14 @@ def first_admission(result: RunResult, req_id: str) -> tuple[int, int]:
             if new.req_id == req_id:
                 return new.num_computed_tokens, step.num_scheduled_tokens[req_id]
     raise AssertionError(f"{req_id} was never admitted")
+
+
+def only_resumption(result: RunResult, req_id: str) -> tuple[SchedulerOutput, CachedRequestData]:
+    """The step that resumed ``req_id`` after its preemption, and its resume, asserting that it was
+    the one preemption of the run and happened once."""
+    resumed = [(step, c) for step in result.steps for c in step.scheduled_cached_reqs if c.resumed_from_preemption]
+    assert [c.req_id for _, c in resumed] == [req_id]
+    return resumed[0]
 
 
 # ------------------------------------------------------------------ prompt length vs budget
@@ -117,9 +126,7 @@ def test_preempted_request_resumes_at_a_block_boundary(runners: Runners, referen
     scenario = Scenario(jobs, block_size=block_size, budget=budget, num_blocks=num_blocks,
                         max_model_len=num_blocks * block_size, overlap=overlap)
     result = check(runners, references, scenario)
-    resumed = [(step, c) for step in result.steps for c in step.scheduled_cached_reqs if c.resumed_from_preemption]
-    assert [c.req_id for _, c in resumed] == ["b"]
-    step, resume = resumed[0]
+    step, resume = only_resumption(result, "b")
     assert resume.num_computed_tokens == hit
     # The resumed chunk computes exactly what the cache lacks (``known`` tokens are prompt + outputs).
     assert step.num_scheduled_tokens["b"] == known - hit

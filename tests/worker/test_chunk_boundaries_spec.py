@@ -13,7 +13,7 @@ import pytest
 from evenflow.protocol import SpeculativeConfig
 from tests.worker.harness import Job, RunResult
 from tests.worker.scenarios import References, Runners, Scenario, check, tokens
-from tests.worker.test_chunk_boundaries import chunks_of
+from tests.worker.test_chunk_boundaries import chunks_of, only_resumption
 
 K = 3
 SPEC = SpeculativeConfig("ngram", K, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=None)
@@ -116,9 +116,7 @@ def test_spec_preempted_request_resumes_at_a_block_boundary(
     scenario = Scenario(jobs, block_size=block_size, budget=budget, num_blocks=num_blocks,
                         max_model_len=num_blocks * block_size, overlap=overlap, runner_overrides=SPEC_RUNNER)
     result = check(runners, references, scenario)
-    resumed = [(step, c) for step in result.steps for c in step.scheduled_cached_reqs if c.resumed_from_preemption]
-    assert [c.req_id for _, c in resumed] == ["b"]
-    step, resume = resumed[0]
+    step, resume = only_resumption(result, "b")
     assert resume.num_computed_tokens == hit == (known - 1) // block_size * block_size
     # The resumed chunk computes exactly what the cache lacks, and drafts nothing.
     assert step.num_scheduled_tokens["b"] == known - hit

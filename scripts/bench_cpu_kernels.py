@@ -19,15 +19,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from evenflow.worker.models.linear import PackedCpuLinear, TorchLinear
 from torch.profiler import profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_offline import MODELS  # noqa: E402
+from evenflow.bench.shapes import MODELS
 
 
 def projection_shapes(model: str) -> list[tuple[int, int]]:

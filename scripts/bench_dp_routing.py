@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from evenflow.frontend.dp_client import DataParallelClient
-from evenflow.frontend.dp_router import ROUTING_POLICIES, RoutingConfig
+from evenflow.frontend.clients.data_parallel import DataParallelClient
+from evenflow.frontend.clients.router import ROUTING_POLICIES, RoutingConfig
 from evenflow.protocol import SamplingParams, SchedulerStats
 
 

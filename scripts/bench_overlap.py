@@ -31,7 +31,7 @@ from pathlib import Path
 import zmq
 
 from evenflow.core.frontend_link import FrontendLink
-from evenflow.frontend.client import EngineClient, EngineError
+from evenflow.frontend.clients.engine_client import EngineClient, EngineError
 from evenflow.protocol import (
     PROTOCOL_VERSION, Abort, Codec, EngineToFrontend, Hello, Outputs, Ready, RequestOutput, SamplingParams,
     SchedulerStats,

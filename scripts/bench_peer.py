@@ -18,14 +18,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench_launch import add_server_args, fit_to_model, parse_budgets, server_config, server_spec  # noqa: E402
-from _bench_runner import BenchResult  # noqa: E402
-from _bench_server import ManagedServer, exit_on_sigterm, peer_problem  # noqa: E402
-from _bench_stats import GroupStats, format_table  # noqa: E402
-from _bench_workload import add_workload_args, workload_from_args  # noqa: E402
-from bench_serving import (  # noqa: E402
+from evenflow.bench.launch import add_server_args, fit_to_model, parse_budgets, server_config, server_spec
+from evenflow.bench.runner import BenchResult
+from evenflow.bench.server import ManagedServer, exit_on_sigterm, peer_problem
+from evenflow.bench.stats import GroupStats, format_table
+from evenflow.bench.workload import add_workload_args, workload_from_args
+from evenflow.bench.serving import (
     DEFAULT_VOCAB_SIZE,
     add_run_args,
     args_config,

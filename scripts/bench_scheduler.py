@@ -19,10 +19,10 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from evenflow.core.config import SchedulerConfig
-from evenflow.core.prefill_gate import PrefillGate
+from evenflow.core.sched.config import SchedulerConfig
+from evenflow.core.sched.prefill_gate import PrefillGate
 from evenflow.core.request import Request
-from evenflow.core.scheduler import Scheduler
+from evenflow.core.sched.scheduler import Scheduler
 from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 

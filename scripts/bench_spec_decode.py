@@ -32,12 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_copy_model import COPY, FIRST_CONTENT, FREE, VOCAB, train  # noqa: E402
+from evenflow.bench.copy_model import COPY, FIRST_CONTENT, FREE, VOCAB, train
 
-from evenflow.frontend.client import EngineClient  # noqa: E402
-from evenflow.worker.ngram_proposer import propose_ngram  # noqa: E402
-from evenflow.protocol import SamplingParams, SchedulerStats  # noqa: E402
+from evenflow.frontend.clients.engine_client import EngineClient
+from evenflow.worker.ngram_proposer import propose_ngram
+from evenflow.protocol import SamplingParams, SchedulerStats
 
 
 @dataclass

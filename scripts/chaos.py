@@ -29,12 +29,11 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _chaos_load import (  # noqa: E402
+from evenflow.bench.chaos_load import (
     Ledger, burst, client_loop, malformed_http, malformed_wire, metric_value, prober, record_probe_references,
 )
-from _chaos_procs import Fleet, Proc, children_of, free_port, listening, wait_healthy  # noqa: E402
-from _chaos_report import fault_itl, render  # noqa: E402
+from evenflow.bench.chaos_procs import Fleet, Proc, children_of, free_port, listening, wait_healthy
+from evenflow.bench.chaos_report import fault_itl, render
 
 FAULTS = ["worker_kill", "frontend_kill", "forward_fault", "burst", "engine_kill", "malformed"]
 FAULT_ENV = "EVENFLOW_TEST_FAIL_FORWARD_AFTER_STEPS"

@@ -2,19 +2,19 @@
 # Mutation testing of the scheduler, KV cache and worker batch/sampler with mutmut 3.
 #
 #   scripts/mutation.sh                       # all six files, one after another
-#   scripts/mutation.sh core/block_pool.py    # one (or a few) of them
+#   scripts/mutation.sh evenflow/core/kv/block_pool.py    # one (or a few) of them
 #   MUTATION_JOBS=2 scripts/mutation.sh ...   # mutants tested in parallel (default 1)
-#   scripts/mutation.sh --survivors core/request.py   # after new tests: rerun only last run's survivors
-#   MUTATION_ONLY='*prepare_inputs* *update*' scripts/mutation.sh worker/batch.py   # only these globs
+#   scripts/mutation.sh --survivors evenflow/core/request.py   # after new tests: rerun only last run's survivors
+#   MUTATION_ONLY='*prepare_inputs* *update*' scripts/mutation.sh evenflow/worker/batch.py   # only these globs
 #
 # Prints "file: killed/total" per file and leaves the details in build/mutation/<file>/
 # (`cd build/mutation/core_scheduler && mutmut results` lists survivors, `mutmut show NAME`
 # shows one). Not run in CI: it takes minutes per file. See docs/mutation.md.
 # Needs mutmut 3 (pip install -e ".[mutation]").
 #
-# Why a staging folder: mutmut names a mutant by its file path (core/scheduler.py ->
+# Why a staging folder: mutmut names a mutant by its file path (evenflow/core/sched/scheduler.py ->
 # core.scheduler) and only runs it when that equals the function's __module__, which here is
-# evenflow.core.scheduler (pyproject maps package dirs). So each run copies the parts into
+# evenflow.core.sched.scheduler (pyproject maps package dirs). So each run copies the parts into
 # src/evenflow/<part> (mutmut drops a leading "src."), with the tests and a pyproject holding
 # only the mutmut and pytest settings. The editable install's import hook comes after the
 # path-based finder, so the tests import the mutated copy from mutants/src.
@@ -29,14 +29,14 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one core per mutant process: the
 
 # The fast test subsets that exercise each file (the worker ones run the tiny model on CPU).
 declare -A TESTS=(
-  [core/scheduler.py]="tests/core"
-  [core/kv_cache_manager.py]="tests/core"
-  [core/block_pool.py]="tests/core"
-  [core/request.py]="tests/core"
-  [worker/batch.py]="tests/worker/test_handbuilt_steps.py tests/worker/test_runner_api.py tests/worker/test_runner_correctness.py tests/worker/test_chunk_boundaries.py tests/worker/test_chunk_boundaries_spec.py tests/worker/test_chunk_boundaries_grammar.py tests/worker/test_runner_properties.py tests/worker/test_batch_edges.py"
-  [worker/sampler.py]="tests/worker/test_sampler.py tests/worker/test_sampler_edges.py"
+  [evenflow/core/sched/scheduler.py]="tests/core"
+  [evenflow/core/kv/manager.py]="tests/core"
+  [evenflow/core/kv/block_pool.py]="tests/core"
+  [evenflow/core/request.py]="tests/core"
+  [evenflow/worker/batch.py]="tests/worker/test_handbuilt_steps.py tests/worker/test_runner_api.py tests/worker/test_runner_correctness.py tests/worker/test_chunk_boundaries.py tests/worker/test_chunk_boundaries_spec.py tests/worker/test_chunk_boundaries_grammar.py tests/worker/test_runner_properties.py tests/worker/test_batch_edges.py"
+  [evenflow/worker/sampler.py]="tests/worker/test_sampler.py tests/worker/test_sampler_edges.py"
 )
-ORDER=(core/block_pool.py core/request.py core/kv_cache_manager.py core/scheduler.py worker/batch.py worker/sampler.py)
+ORDER=(evenflow/core/kv/block_pool.py evenflow/core/request.py evenflow/core/kv/manager.py evenflow/core/sched/scheduler.py evenflow/worker/batch.py evenflow/worker/sampler.py)
 
 toml_list() {  # words -> a TOML array of strings
   local out="" word

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from evenflow.core.step_time_model import StepShape, StepTimeModel, chunk_pairs, shape_of_step
+from evenflow.core.sched.step_time_model import StepShape, StepTimeModel, chunk_pairs, shape_of_step
 from evenflow.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput, WorkerConfig
 from evenflow.worker.runner import ModelRunner
 

@@ -26,18 +26,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench_capacity import Capacity, Probe, meets_slo, search_capacity  # noqa: E402
-from _bench_launch import add_server_args, fit_to_model, parse_budgets, server_config, server_spec  # noqa: E402
-from _bench_metrics import EngineNumbers  # noqa: E402
-from _bench_plot import CurvePoint, plot_budget_curves  # noqa: E402
-from _bench_runner import RunOptions  # noqa: E402
-from _bench_server import ManagedServer, exit_on_sigterm  # noqa: E402
-from _bench_stats import RunStats, format_table  # noqa: E402
-from _bench_verdict import Result, verdict_lines  # noqa: E402
-from _bench_workload import add_workload_args, workload_from_args  # noqa: E402
-from bench_serving import (  # noqa: E402
+from evenflow.bench.capacity import Capacity, Probe, meets_slo, search_capacity
+from evenflow.bench.launch import add_server_args, fit_to_model, parse_budgets, server_config, server_spec
+from evenflow.bench.metrics import EngineNumbers
+from evenflow.bench.plot import CurvePoint, plot_budget_curves
+from evenflow.bench.runner import RunOptions
+from evenflow.bench.server import ManagedServer, exit_on_sigterm
+from evenflow.bench.stats import RunStats, format_table
+from evenflow.bench.verdict import Result, verdict_lines
+from evenflow.bench.workload import add_workload_args, workload_from_args
+from evenflow.bench.serving import (
     DEFAULT_VOCAB_SIZE,
     add_run_args,
     args_config,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A minimal engine-core client written from protocol/README.md alone (pyzmq + msgpack, no evenflow).
+"""A minimal engine-core client written from the wire spec (evenflow/protocol/README.md) alone (pyzmq + msgpack, no evenflow).
 
     python scripts/wire_client.py --engine tcp://127.0.0.1:7100 --prompt 1 5 9 --max-tokens 16
     python scripts/wire_client.py --engine tcp://127.0.0.1:7100 --check
@@ -304,7 +304,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for any frame")
-    ap.add_argument("--check", action="store_true", help="check every rule of protocol/README.md")
+    ap.add_argument("--check", action="store_true", help="check every rule of evenflow/protocol/README.md")
     ap.add_argument("--client-timeout", type=float, default=3.0, help="the engine's --client-timeout")
     args = ap.parse_args()
     if args.check:

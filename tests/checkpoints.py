@@ -70,7 +70,6 @@ def hash_str(s: str) -> int:
 def reference_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy continuation of ``prompt`` by transformers in float32 (the reference)."""
     import torch
-    import transformers
 
     model = _load_reference(str(model_dir))
     ids = torch.tensor([prompt], dtype=torch.long)

@@ -1,4 +1,4 @@
-"""Fixtures for the benchmark smoke tests: the scripts folder on sys.path, a fake server process."""
+"""Fixtures for the benchmark smoke tests: a fake server process, and running a script as a user would."""
 
 from __future__ import annotations
 
@@ -12,10 +12,7 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 FAKE_SERVER = Path(__file__).resolve().parent / "fake_openai_server.py"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-from _bench_server import ManagedServer, ServerSpec, free_port  # noqa: E402
+from evenflow.bench.server import ManagedServer, ServerSpec, free_port
 
 
 def fake_server_cmd(extra: str = "") -> str:

@@ -8,15 +8,14 @@ import json
 import math
 from pathlib import Path
 
-# scripts/ is on sys.path: tests/bench/conftest.py puts it there before this module is collected.
-import bench_serving
+from evenflow.bench import serving as bench_serving
 import pytest
-from _bench_capacity import Probe, search_capacity
-from _bench_client import RequestRecord
-from _bench_metrics import MetricsSnapshot, engine_numbers, parse_prometheus
-from _bench_server import ServerConfig, evenflow_argv, peer_problem, vllm_argv
-from _bench_stats import SLO, request_gaps, run_stats
-from _bench_workload import (
+from evenflow.bench.capacity import Probe, search_capacity
+from evenflow.bench.client import RequestRecord
+from evenflow.bench.metrics import MetricsSnapshot, engine_numbers, parse_prometheus
+from evenflow.bench.server import ServerConfig, evenflow_argv, peer_problem, vllm_argv
+from evenflow.bench.stats import SLO, request_gaps, run_stats
+from evenflow.bench.workload import (
     LengthDist,
     add_workload_args,
     fit_lengths,
@@ -105,8 +104,8 @@ def test_peer_problem_without_venv_or_shim_points_at_the_docs(tmp_path: Path) ->
 
 
 def test_peer_venv_and_shim_come_from_flags(tmp_path: Path) -> None:
-    from _bench_launch import add_server_args, server_config, server_spec
-    from _bench_server import DEFAULT_VLLM_SHIM
+    from evenflow.bench.launch import add_server_args, server_config, server_spec
+    from evenflow.bench.server import DEFAULT_VLLM_SHIM
 
     assert DEFAULT_VLLM_SHIM.is_file() and DEFAULT_VLLM_SHIM.parent.name == "scripts"  # shipped, not a dev path
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 64, "max_position_embeddings": 256}))

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-# scripts/ is on sys.path: tests/bench/conftest.py puts it there before this module is collected.
-from _bench_verdict import Result, verdict_lines
+from evenflow.bench.verdict import Result, verdict_lines
 
 
 def fixed(label: str, ttft: float, p99: float, p999: float, tok_s: float) -> Result:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from evenflow.core.request import Request, RequestStatus
-from evenflow.core.scheduler import Scheduler
+from evenflow.core.sched.scheduler import Scheduler
 from evenflow.protocol import ModelRunnerOutput, RequestOutput, SamplingParams, SchedulerOutput
 
 from .fake_model import EOS_TOKEN_ID, FakeWorker

@@ -3,12 +3,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from evenflow.core.block_hash import extend_block_hashes, hash_block_tokens
+from evenflow.protocol.block_hash import extend_block_hashes, hash_block_tokens
 
 
 def test_hash_is_stable_across_processes() -> None:
     # Python's hash() is salted per process; ours must not be.
-    code = "from evenflow.core.block_hash import hash_block_tokens as h; print(h(None, [1, 2, 3]).hex())"
+    code = "from evenflow.protocol.block_hash import hash_block_tokens as h; print(h(None, [1, 2, 3]).hex())"
     outputs = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
         for _ in range(2)

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from evenflow.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from evenflow.core.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 
 def test_free_queue_popleft_append_and_remove_from_the_middle() -> None:

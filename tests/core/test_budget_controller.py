@@ -10,12 +10,12 @@ import random
 
 import numpy as np
 import pytest
-from evenflow.core.budget_controller import PREFILL_FLOOR_TOKENS, BudgetController
-from evenflow.core.prefill_gate import PrefillGate, RunningSurvey
-from evenflow.core.config import SchedulerConfig
+from evenflow.core.sched.budget_controller import PREFILL_FLOOR_TOKENS, BudgetController
+from evenflow.core.sched.prefill_gate import PrefillGate, RunningSurvey
+from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.request import Request
-from evenflow.core.scheduler import Scheduler
-from evenflow.core.step_time_model import StepShape, StepTimeModel, shape_of_step
+from evenflow.core.sched.scheduler import Scheduler
+from evenflow.core.sched.step_time_model import StepShape, StepTimeModel, shape_of_step
 from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 from .synthetic_timing import SyntheticMachine

@@ -47,7 +47,7 @@ def test_max_num_seqs_defaults_to_the_budget_when_smaller(model: str, caplog: py
 
 
 def test_policy_choices_come_from_the_scheduler(model: str) -> None:
-    from evenflow.core.config import SCHEDULING_POLICIES
+    from evenflow.core.sched.config import SCHEDULING_POLICIES
     for policy in SCHEDULING_POLICIES:
         assert config_from_args(["--model", model, "--scheduling-policy", policy]).scheduling_policy == policy
     with pytest.raises(SystemExit):

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from evenflow.core.kv_cache_manager import KVCacheManager
+from evenflow.core.kv.manager import KVCacheManager
 from evenflow.core.request import Request
 from evenflow.protocol import SamplingParams
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from evenflow.core.block_pool import BlockPool
-from evenflow.core.kv_events import KVEventLog
+from evenflow.core.kv.block_pool import BlockPool
+from evenflow.core.kv.events import KVEventLog
 from evenflow.protocol import KVCacheEvents, Outputs
 from evenflow.protocol.codec import Codec
 

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import pytest
-from evenflow.core.config import SchedulerConfig
+from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.request import Request, RequestStatus
-from evenflow.core.scheduler import Scheduler
+from evenflow.core.sched.scheduler import Scheduler
 from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput, SpeculativeConfig, TokenLogprobs
 
 from .fake_model import FakeWorker

@@ -6,7 +6,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from evenflow.core import scheduler as scheduler_module
+from evenflow.core.sched import scheduler as scheduler_module
 from evenflow.protocol import ModelRunnerOutput, SpeculativeConfig
 
 from .fake_model import FakeWorker

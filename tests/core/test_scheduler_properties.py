@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from evenflow.core.config import SchedulerConfig
-from evenflow.core.scheduler import Scheduler
+from evenflow.core.sched.config import SchedulerConfig
+from evenflow.core.sched.scheduler import Scheduler
 from evenflow.protocol import SamplingParams, SpeculativeConfig
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from evenflow.core.config import SchedulerConfig
+from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.request import Request, RequestStatus
-from evenflow.core.scheduler import Scheduler
-from evenflow.core.structured_output import COMPILE_DELAY_ENV, COMPILE_DELAY_MARKER, StructuredOutputManager
+from evenflow.core.sched.scheduler import Scheduler
+from evenflow.core.sched.structured_output import COMPILE_DELAY_ENV, COMPILE_DELAY_MARKER, StructuredOutputManager
 from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput, StructuredOutputsParams
 
 pytest.importorskip("llguidance")

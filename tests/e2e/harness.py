@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from evenflow.frontend.client import BlockingEngineClient, EngineError
+from evenflow.frontend.clients.engine_client import BlockingEngineClient, EngineError
 from evenflow.protocol import Ready
 
 

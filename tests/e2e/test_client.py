@@ -12,8 +12,8 @@ import msgspec
 import pytest
 import zmq
 
-from evenflow.frontend import client as client_module
-from evenflow.frontend.client import BlockingEngineClient, EngineClient, EngineError
+from evenflow.frontend.clients import engine_client as client_module
+from evenflow.frontend.clients.engine_client import BlockingEngineClient, EngineClient, EngineError
 from evenflow.protocol import (
     PROTOCOL_VERSION, AddRequest, Codec, Error, FrontendToEngine, Heartbeat, Hello, Outputs, Ready, RequestOutput,
     SamplingParams,

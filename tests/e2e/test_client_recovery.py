@@ -14,10 +14,10 @@ import pytest
 
 from evenflow.frontend import LLM
 from evenflow.frontend import SamplingParams as LLMSamplingParams
-from evenflow.frontend import client as client_module
+from evenflow.frontend.clients import engine_client as client_module
 from evenflow.frontend.api.context import ServingContext
 from evenflow.frontend.api.server import ServerConfig, build_app
-from evenflow.frontend.client import EngineClient, EngineError
+from evenflow.frontend.clients.engine_client import EngineClient, EngineError
 from evenflow.frontend.demo_model import ensure_demo_model
 from evenflow.frontend.metrics import FrontendMetrics
 from evenflow.protocol import SamplingParams

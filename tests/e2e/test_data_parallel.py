@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from evenflow.frontend import client as client_module
-from evenflow.frontend.client import EngineError
-from evenflow.frontend.dp_client import DataParallelClient
-from evenflow.frontend.dp_router import RoutingConfig
+from evenflow.frontend.clients import engine_client as client_module
+from evenflow.frontend.clients.engine_client import EngineError
+from evenflow.frontend.clients.data_parallel import DataParallelClient
+from evenflow.frontend.clients.router import RoutingConfig
 from evenflow.frontend.metrics import FrontendMetrics
 from evenflow.protocol import SamplingParams
 from tests.checkpoints import reference_greedy

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import zmq
 
-from evenflow.frontend.client import EngineClient, EngineError
+from evenflow.frontend.clients.engine_client import EngineClient, EngineError
 from evenflow.protocol import PROTOCOL_VERSION, AddRequest, Codec, EngineToFrontend, Error, Hello, Ready
 from evenflow.protocol import SamplingParams
 from tests.checkpoints import reference_greedy
@@ -109,7 +109,7 @@ def test_greedy_matches_transformers_other_engines(tiny_llama: Path, tmp_path: P
 
 CLIENT_SCRIPT = """
 import asyncio, sys
-from evenflow.frontend.client import EngineClient
+from evenflow.frontend.clients.engine_client import EngineClient
 from evenflow.protocol import SamplingParams
 async def main():
     c = EngineClient(sys.argv[1], "victim")

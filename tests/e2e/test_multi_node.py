@@ -9,12 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from evenflow.frontend.client import BlockingEngineClient, EngineError
+from evenflow.frontend.clients.engine_client import BlockingEngineClient, EngineError
 from evenflow.protocol import SamplingParams
 from evenflow.protocol.link_auth import SECRET_ENV
 from tests.checkpoints import reference_greedy

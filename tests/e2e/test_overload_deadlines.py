@@ -10,7 +10,7 @@ from typing import Iterator
 
 import pytest
 
-from evenflow.frontend.client import EngineClient, EngineError
+from evenflow.frontend.clients.engine_client import EngineClient, EngineError
 from evenflow.protocol import SamplingParams
 from tests.e2e.harness import EngineProcess, start_engine
 

@@ -16,7 +16,7 @@ import pytest
 
 from evenflow.core.engine_config import ConfigError, config_from_args
 from evenflow.frontend.cli import frontend_parser, keygen_main
-from evenflow.frontend.client import EngineClient, EngineError
+from evenflow.frontend.clients.engine_client import EngineClient, EngineError
 from evenflow.protocol import SamplingParams
 from evenflow.protocol.curve import is_loopback
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from evenflow.frontend.client_errors import EngineError
+from evenflow.frontend.clients.errors import EngineError
 from evenflow.protocol import Ready, RequestOutput, SamplingParams, SchedulerStats, TokenLogprobs, UtilityResult
 
 

@@ -10,11 +10,11 @@ from typing import Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from evenflow.frontend.api.generation import Generation
+from evenflow.frontend.generation import Generation
 from evenflow.frontend.api.prepare import ChoicePlan
 from evenflow.frontend.api.server import ServerConfig, build_app, connect_context
 from evenflow.frontend.api.sse import SSEResponse
-from evenflow.frontend.client import EngineError
+from evenflow.frontend.clients.engine_client import EngineError
 from evenflow.frontend.tokenizer import Tokenizer
 from evenflow.protocol import SamplingParams
 

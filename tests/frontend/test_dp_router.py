@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from evenflow.frontend.dp_client import sum_stats
-from evenflow.frontend.dp_router import Router, RoutingConfig
+from evenflow.frontend.clients.data_parallel import sum_stats
+from evenflow.frontend.clients.router import Router, RoutingConfig
 from evenflow.frontend.metrics import FrontendMetrics
-from evenflow.frontend.prefix_index import PrefixIndex
+from evenflow.frontend.clients.prefix_index import PrefixIndex
 from evenflow.protocol import KVCacheEvents, SchedulerStats
 from evenflow.protocol.block_hash import extend_block_hashes
 
@@ -110,14 +110,14 @@ def test_metrics_label_each_engine_and_keep_the_total() -> None:
 
 # ----------------------------------------------------------------------------- the client, over fakes
 
-import asyncio  # noqa: E402
-from typing import AsyncIterator  # noqa: E402
+import asyncio
+from typing import AsyncIterator
 
-import pytest  # noqa: E402
+import pytest
 
-from evenflow.frontend.client import EngineError  # noqa: E402
-from evenflow.frontend.dp_client import DataParallelClient  # noqa: E402
-from evenflow.protocol import Outputs, Ready, RequestOutput, SamplingParams, UtilityResult  # noqa: E402
+from evenflow.frontend.clients.engine_client import EngineError
+from evenflow.frontend.clients.data_parallel import DataParallelClient
+from evenflow.protocol import Outputs, Ready, RequestOutput, SamplingParams, UtilityResult
 
 
 class FakeEngine:

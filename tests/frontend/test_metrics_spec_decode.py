@@ -23,7 +23,7 @@ def test_spec_decode_counters_are_rendered() -> None:
 
 
 def test_data_parallel_totals_add_per_position_counts() -> None:
-    from evenflow.frontend.dp_client import sum_stats
+    from evenflow.frontend.clients.data_parallel import sum_stats
 
     total = sum_stats([SchedulerStats(spec_decode_num_drafts=2, spec_decode_num_accepted_tokens_per_pos=[3, 1]),
                        SchedulerStats(spec_decode_num_drafts=1, spec_decode_num_accepted_tokens_per_pos=[1, 1, 1])])

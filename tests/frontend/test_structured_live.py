@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from evenflow.core.structured_output import COMPILE_DELAY_ENV, COMPILE_DELAY_MARKER
+from evenflow.core.sched.structured_output import COMPILE_DELAY_ENV, COMPILE_DELAY_MARKER
 from evenflow.protocol.hf_config import read_hf_config
 from evenflow.protocol.structured_outputs import to_grammar
 

@@ -1,4 +1,4 @@
-"""protocol/validation.py: the one definition of each request rule, shared by frontend and engine-core."""
+"""evenflow/protocol/validation.py: the one definition of each request rule, shared by frontend and engine-core."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The engine's frontend codec against protocol/README.md's rules: two-stage ``request`` decoding,
+"""The engine's frontend codec against evenflow/protocol/README.md's rules: two-stage ``request`` decoding,
 int64 bounds, errors in the wire's words, and the sampling ranges the README lists."""
 
 from __future__ import annotations

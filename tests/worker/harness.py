@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evenflow.core.config import SchedulerConfig
+from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.request import Request
-from evenflow.core.scheduler import Scheduler
-from evenflow.core.structured_output import StructuredOutputManager
+from evenflow.core.sched.scheduler import Scheduler
+from evenflow.core.sched.structured_output import StructuredOutputManager
 from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput, WorkerConfig
 from evenflow.worker.runner import ModelRunner
 

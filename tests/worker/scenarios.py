@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evenflow.core.structured_output import StructuredOutputManager
+from evenflow.core.sched.structured_output import StructuredOutputManager
 from evenflow.worker.runner import ModelRunner
 
 from tests.checkpoints import reference_greedy

@@ -3,7 +3,7 @@ edges of the tables, the bookkeeping of preempted, finished, re-sent and resumed
 refusal of a step past a request's known tokens, and the step inputs' dtypes.
 
 These are the paths the model-runner tests never reach (found by mutation testing of
-worker/batch.py, see docs/mutation.md); each test drives the batch with hand-built
+evenflow/worker/batch.py, see docs/mutation.md); each test drives the batch with hand-built
 SchedulerOutputs the way the runner does (``update`` then ``prepare_inputs``).
 """
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from evenflow.core.structured_output import StructuredOutputManager
+from evenflow.core.sched.structured_output import StructuredOutputManager
 from evenflow.protocol import SamplingParams, StructuredOutputsParams
 from evenflow.protocol.structured_outputs import to_grammar
 from tests.checkpoints import _load_reference

@@ -1,4 +1,4 @@
-"""Linear kernels (worker/models/linear.py): every kernel computes F.linear, the packed one is
+"""Linear kernels (evenflow/worker/models/linear.py): every kernel computes F.linear, the packed one is
 chosen for float32 on CPU when this torch build has it, and a build without it falls back."""
 
 from __future__ import annotations

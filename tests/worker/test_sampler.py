@@ -1,4 +1,4 @@
-"""Tests of the batched sampler (worker/sampler.py, sampling_metadata.py, penalties.py, logprobs.py), CPU
+"""Tests of the batched sampler (evenflow/worker/sampler.py, sampling_metadata.py, penalties.py, logprobs.py), CPU
 only."""
 
 from __future__ import annotations

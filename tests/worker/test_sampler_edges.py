@@ -1,4 +1,4 @@
-"""Edge cases of the batched sampler (worker/sampler.py) that the broad tests in test_sampler.py
+"""Edge cases of the batched sampler (evenflow/worker/sampler.py) that the broad tests in test_sampler.py
 do not reach: the caller's tensor, memory layouts, exact top-p ties, and which rows pay for a
 full sort. CPU only."""
 

@@ -1,7 +1,0 @@
-"""``python -m evenflow.core`` is the ``engine-core`` console script."""
-
-import sys
-
-from .cli import main
-
-sys.exit(main())

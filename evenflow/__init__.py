@@ -1,0 +1,1 @@
+"""evenflow: an LLM serving engine that keeps every token stream steady."""

@@ -1,0 +1,1 @@
+"""The benchmark library behind scripts/: clients, workloads, servers, stats, plots, verdicts."""

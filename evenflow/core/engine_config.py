@@ -1,0 +1,249 @@
+"""EngineConfig: every knob of the engine-core process, its command line, and its validation."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Sequence
+
+from evenflow.protocol import MAX_FRAME_BYTES, SpeculativeConfig, parse_speculative_config
+from evenflow.protocol.curve import is_loopback
+
+from evenflow.core.sched.config import DEFAULT_MAX_NUM_SEQS, SCHEDULING_POLICIES, ConfigError, check_prefill_limits, check_scheduler_limits
+
+__all__ = ["ConfigError", "EngineConfig", "build_parser", "config_from_args", "parse_size"]
+log = logging.getLogger("evenflow.core.engine_config")
+
+DEFAULT_LISTEN = "tcp://127.0.0.1:7100"
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+               "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine-core, its scheduler, its cache and its workers take."""
+
+    model: str
+    listen: str = DEFAULT_LISTEN
+    served_model_name: str | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # the command line's default is min(this, the budget)
+    max_model_len: int | None = None  # None: the model's own limit
+    block_size: int = 16
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes per worker; None: sized by the worker
+    num_kv_blocks: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"
+    async_scheduling: bool = True
+    load_format: str = "auto"
+    max_frame_bytes: int = MAX_FRAME_BYTES
+    worker_start_timeout: float = 600.0
+    client_timeout: float = 3.0  # a frontend silent this long is dropped and its requests aborted
+    worker_threads: int | None = None
+    # Reliability (admission limits, deadlines): None / 0 = off.
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    request_timeout: float = 0.0
+    # Security of the frontend link: a non-loopback --listen must be asked for; CURVE keys folder.
+    allow_remote: bool = False
+    curve_keys: str | None = None
+    # Tensor parallel across hosts (evenflow/core/multi_node.py): ranks split evenly over --nnodes hosts.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = ""  # node 0's address on the interface the hosts share; the links bind there
+    master_port: int = 29501  # torch.distributed rendezvous; +1: step broadcast, +2: results
+    headless: bool = False  # a worker launcher for node_rank >= 1: no scheduler, no frontend port
+    dist_secret_file: str | None = None  # shared secret of every host (else $EVENFLOW_DIST_SECRET)
+    # Adaptive budget and partial-prefill bounds (evenflow/core/sched/budget_controller.py, evenflow/core/sched/prefill_gate.py).
+    target_itl_ms: float | None = None
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    speculative_config: SpeculativeConfig | None = None  # --speculative-config JSON, validated when parsed
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first invalid value or combination."""
+        if not re.match(r"^(tcp://[^\s]+:\d+|ipc://.+)$", self.listen):
+            raise ConfigError(f"--listen must be tcp://HOST:PORT or ipc://PATH, got {self.listen!r}")
+        check_scheduler_limits(self.max_num_batched_tokens, self.max_num_seqs, self.block_size,
+                               self.long_prefill_token_threshold, self.scheduling_policy, self.max_model_len)
+        for name in ("tensor_parallel_size", "max_frame_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-num-seqs "
+                f"({self.max_num_seqs}): every running request needs one token of each step's budget "
+                f"(leave --max-num-seqs out to default it to min({DEFAULT_MAX_NUM_SEQS}, the budget))")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")
+        if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
+            raise ConfigError("give --kv-cache-memory or --num-kv-blocks, not both")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.worker_start_timeout <= 0 or self.client_timeout <= 0:
+            raise ConfigError("--worker-start-timeout and --client-timeout must be positive")
+        check_prefill_limits(self.max_num_partial_prefills, self.max_long_partial_prefills, self.target_itl_ms)
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not (0.0 <= self.request_timeout < float("inf")):
+            raise ConfigError(f"--request-timeout must be >= 0 (0: none), got {self.request_timeout}")
+        if not is_loopback(self.listen) and not self.allow_remote:
+            raise ConfigError(f"--listen {self.listen} is not a loopback or ipc:// address: pass --allow-remote "
+                              f"if it is meant (and --curve-keys DIR to encrypt and authenticate the link)")
+        if self.curve_keys is not None and not (Path(self.curve_keys) / "engine.key_secret").is_file():
+            raise ConfigError(f"--curve-keys {self.curve_keys!r} has no engine.key_secret "
+                              f"(write the keys with `evenflow keygen DIR`)")
+        self._validate_nodes()
+        if self.speculative_config is not None and (problem := self.speculative_config.validate()):
+            raise ConfigError(f"--speculative-config: {problem}")
+        if not (Path(self.model).expanduser() / "config.json").is_file():
+            raise ConfigError(f"--model {self.model!r} is not a folder with a config.json")
+
+    def _validate_nodes(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes == 1:
+            if self.headless:
+                raise ConfigError("--headless is a worker launcher for the other hosts: it needs --nnodes > 1")
+            return
+        if self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size} must split evenly over "
+                              f"--nnodes {self.nnodes}")
+        if not self.master_addr:
+            raise ConfigError("--nnodes > 1 needs --master-addr: node 0's address on the interface the hosts "
+                              "share (the step and result links bind only there)")
+        if not 1 <= self.master_port <= 65533:
+            raise ConfigError(f"--master-port must be in [1, 65533] (it and the next two ports are used), "
+                              f"got {self.master_port}")
+        if (self.node_rank > 0) != self.headless:
+            raise ConfigError("node 0 runs the engine-core; every other --node-rank runs `engine-core --headless`")
+
+    def describe(self) -> str:
+        """One line per setting, for the start-up log."""
+        return "\n".join(f"  {f.name:<30} {getattr(self, f.name)!r}" for f in fields(self))
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count: ``1073741824``, ``4GiB``, ``512MB``, ``2g``."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MB, 1073741824)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``engine-core`` command line; defaults come from EngineConfig."""
+    d = EngineConfig(model="")
+    p = argparse.ArgumentParser(
+        prog="engine-core",
+        description="evenflow engine-core: scheduler + KV cache + workers, serving frontends over ZMQ.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    a = p.add_argument
+    a("--model", required=True, help="model folder (HuggingFace layout: config.json, *.safetensors)")
+    a("--listen", default=d.listen, help="ZMQ address the ROUTER binds for frontends (tcp:// or ipc://)")
+    a("--served-model-name", default=None, help="model name reported to frontends (default: folder name)")
+    a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget of one step")
+    a("--max-num-seqs", type=int, default=None,
+      help=f"most requests running at once (default: min({DEFAULT_MAX_NUM_SEQS}, --max-num-batched-tokens))")
+    a("--max-model-len", type=int, default=None, help="longest prompt+output (default: the model's limit)")
+    a("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
+    a("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold,
+      help="cap on one request's prefill chunk per step (0: no cap)")
+    a("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
+      help="fcfs, or priority (smaller value first, then arrival)")
+    a("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+      help="turn off prefix caching")
+    a("--kv-cache-memory", type=parse_size, default=None,
+      help="KV cache bytes per worker, on CPU and CUDA (e.g. 2GiB; default: CPU a share of free RAM, "
+           "CUDA 90%% of the device after the weights and the largest step)")
+    a("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides sizing)")
+    a("--dtype", default=d.dtype, help="model dtype: auto, float32, float16, bfloat16")
+    a("--device", default=d.device, help="worker device: auto, cpu, cuda")
+    a("--seed", type=int, default=d.seed, help="random seed of the workers")
+    a("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, help="worker processes (ranks)")
+    a("--attention-backend", default=d.attention_backend, choices=("auto", "torch", "triton", "flash_attn"),
+      help="attention kernels: auto picks flash_attn on CUDA when it imports and is >= 2.5.7 (half precision), "
+           "else triton on CUDA, torch on CPU")
+    a("--no-async-scheduling", dest="async_scheduling", action="store_false",
+      help="turn off overlap (schedule step N+1 only after step N's results)")
+    a("--load-format", choices=("auto", "dummy"), default=d.load_format,
+      help="auto: safetensors weights; dummy: random weights from config.json alone")
+    a("--max-frame-bytes", type=int, default=d.max_frame_bytes, help="largest frontend frame accepted")
+    a("--worker-start-timeout", type=float, default=d.worker_start_timeout,
+      help="seconds to wait for every worker's handshake")
+    a("--client-timeout", type=float, default=d.client_timeout,
+      help="seconds of silence after which a frontend is dropped and its requests aborted")
+    a("--worker-threads", type=int, default=None,
+      help="torch threads per worker for every step (default on CPU: a step estimated to take 15 ms or more "
+           "on one thread uses every core, a shorter one leaves one free; divided by tensor-parallel-size)")
+    a("--target-itl-ms", type=float, default=None,
+      help="adaptive token budget: each step carries as much prefill as keeps its predicted time (fitted online "
+           "to measured steps) within this many ms; --max-num-batched-tokens becomes the upper bound")
+    a("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
+      help="when > 1: most requests with a prefill chunk in one step (vLLM V0)")
+    a("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
+      help="when --max-num-partial-prefills > 1: most of them longer than --long-prefill-token-threshold "
+           "(default then 4%% of max-model-len); shorter prompts go ahead of long ones that have no slot")
+    a("--max-num-queued-reqs", type=int, default=None,
+      help="refuse new requests (overloaded; HTTP 503) while the engine holds this many (waiting + running)")
+    a("--max-num-queued-tokens", type=int, default=None,
+      help="refuse a new request (overloaded; HTTP 503) when its prompt would bring the prompt tokens not yet "
+           "computed over this")
+    a("--request-timeout", type=float, default=d.request_timeout,
+      help="seconds after which a request is aborted with request_timeout (0: none); a request's own "
+           "timeout (X-Request-Timeout header, AddRequest.timeout_s) overrides it")
+    a("--allow-remote", action="store_true",
+      help="allow a --listen address that is not loopback or ipc:// (use --curve-keys with it)")
+    a("--curve-keys", default=None,
+      help="folder from `evenflow keygen DIR`: CURVE-encrypt the frontend link and serve only the frontends "
+           "whose public keys are in DIR/authorized_clients")
+    g = p.add_argument_group("tensor parallel across hosts")
+    g.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts the tensor-parallel ranks are split over")
+    g.add_argument("--node-rank", type=int, default=d.node_rank, help="this host's index (0: the engine-core)")
+    g.add_argument("--master-addr", default=d.master_addr,
+                   help="node 0's address on the interface the hosts share (required with --nnodes > 1)")
+    g.add_argument("--master-port", type=int, default=d.master_port,
+                   help="torch.distributed rendezvous port on node 0; the next two carry steps and results")
+    g.add_argument("--headless", action="store_true", help="run only this host's worker ranks (node-rank >= 1)")
+    g.add_argument("--dist-secret-file", default=None,
+                   help="file with the secret shared by every host (default: $EVENFLOW_DIST_SECRET)")
+    a("--speculative-config", type=_speculative_config, default=None,
+      help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
+           '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (optional "disable_by_batch_size": N: '
+           'no drafts while N or more requests run; default 16, null: never)')
+    return p
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return parse_speculative_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None  # argparse names it
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> EngineConfig:
+    """Parse the command line into a validated EngineConfig (ConfigError when invalid)."""
+    ns = build_parser().parse_args(argv)
+    if ns.max_num_seqs is None:
+        # vLLM's 256 would make a small budget (32, 64: what docs/tuning.md recommends against
+        # stalls) an error on its own; a budget of B tokens runs at most B requests anyway.
+        ns.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, ns.max_num_batched_tokens)
+        if ns.max_num_seqs < DEFAULT_MAX_NUM_SEQS:
+            log.info("--max-num-seqs not given: using %d (min(%d, --max-num-batched-tokens %d))", ns.max_num_seqs,
+                     DEFAULT_MAX_NUM_SEQS, ns.max_num_batched_tokens)
+    cfg = EngineConfig(**vars(ns))
+    cfg.validate()
+    return cfg

@@ -1,0 +1,113 @@
+"""How much prompt work one step may take: the adaptive allowance and the partial-prefill bounds.
+
+The scheduler serves decodes unconditionally; every prefill chunk (a chunk of known tokens before
+a request's last one: a new prompt, a continued one, or a recompute after preemption) passes
+through this step's ``PrefillGate``:
+
+* ``allowance``: prompt tokens the whole step may carry (``BudgetController``'s choice with
+  ``--target-itl-ms``; unlimited otherwise: the token budget alone then bounds the step).
+* vLLM V0's partial-prefill bounds, on when ``--max-num-partial-prefills`` N > 1: at most N
+  requests get prefill chunks in one step, at most M (``--max-long-partial-prefills``) of them
+  long (more than ``--long-prefill-token-threshold`` prompt tokens left, 4% of max_model_len when
+  not given); a long prompt refused a slot is skipped in the queue, so shorter prompts behind it go
+  first; and one chunk takes at most the allowance split evenly over the prefills that can run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from evenflow.core.sched.config import SchedulerConfig
+from evenflow.core.request import Request
+
+
+@dataclass
+class RunningSurvey:
+    """One pass over the running requests: what the step's decodes and prefills will be."""
+
+    decodes: int = 0
+    decode_context: int = 0  # tokens the decodes attend to, summed
+    prefills: int = 0
+    long_prefills: int = 0
+    first_prefill_context: int = 0  # context of the first prefill chunk (the one most likely to run)
+
+
+def survey_running(running: Sequence[Request], long_threshold: int) -> RunningSurvey:
+    """Decodes: requests with at most one known token left without KV (drafts ride along)."""
+    survey = RunningSurvey()
+    decodes = decode_context = prefills = long_prefills = 0
+    for request in running:
+        computed = request.num_computed_tokens
+        left = request.num_tokens - computed
+        if left <= 1:
+            decodes += 1
+            decode_context += computed
+        else:
+            if prefills == 0:
+                survey.first_prefill_context = computed
+            prefills += 1
+            long_prefills += 0 < long_threshold < left
+    survey.decodes, survey.decode_context = decodes, decode_context
+    survey.prefills, survey.long_prefills = prefills, long_prefills
+    return survey
+
+
+class PrefillGate:
+    """One step's limits on prefill chunks; ``limit`` before allocating, ``commit`` after."""
+
+    @classmethod
+    def for_step(cls, config: SchedulerConfig, long_threshold: int, running: Sequence[Request], num_waiting: int,
+                 choose_allowance: Callable[[RunningSurvey], int] | None) -> PrefillGate | None:
+        """The next step's gate (``choose_allowance``: the controller's choice), or None when
+        neither the allowance nor the bounds are on: the scheduler's default path pays nothing."""
+        if choose_allowance is None and config.max_num_partial_prefills == 1:
+            return None
+        survey = survey_running(running, long_threshold)
+        allowance = config.max_num_batched_tokens if choose_allowance is None else choose_allowance(survey)
+        return cls(allowance, config.max_num_partial_prefills, config.max_long_partial_prefills, long_threshold,
+                   survey, num_waiting)
+
+    def __init__(self, allowance: int, max_partial: int, max_long: int, long_threshold: int,
+                 survey: RunningSurvey, num_waiting: int) -> None:
+        self.survey = survey
+        self.allowance_left = allowance
+        self.bounded = max_partial > 1  # vLLM V0: the bounds apply only when N > 1
+        self.max_partial, self.max_long, self.long_threshold = max_partial, max_long, long_threshold
+        self.num_prefills = self.num_long = 0  # granted in this step
+        self.prefill_tokens = 0
+        self.chunks: list[tuple[int, int]] = []  # (new tokens, computed before), for the step-time model
+        if self.bounded:
+            schedulable = max(1, min(max_partial, survey.prefills + num_waiting))
+            self.chunk_cap = max(1, allowance // schedulable)
+        else:
+            self.chunk_cap = allowance
+
+    def _is_long(self, left: int) -> bool:
+        return 0 < self.long_threshold < left
+
+    def long_slot_full(self, request: Request, num_computed: int) -> bool:
+        """A long prompt refused only because the long slots are taken (skip it, admit others)."""
+        return self.bounded and self._is_long(request.num_tokens - num_computed) and self.num_long >= self.max_long
+
+    def limit(self, request: Request, num_computed: int, num_new: int) -> int:
+        """``num_new`` cut to what this step lets the request's prefill take (0: nothing)."""
+        left = request.num_tokens - num_computed
+        if left <= 1:
+            return num_new  # a decode: never limited
+        if self.bounded and (self.num_prefills >= self.max_partial
+                             or (self._is_long(left) and self.num_long >= self.max_long)):
+            return 0
+        cap = self.allowance_left if self.allowance_left < self.chunk_cap else self.chunk_cap
+        return num_new if num_new < cap else max(cap, 0)
+
+    def commit(self, request: Request, num_computed: int, num_new: int) -> None:
+        """Count a scheduled chunk against the limits."""
+        left = request.num_tokens - num_computed
+        if left <= 1:
+            return
+        self.num_prefills += 1
+        self.num_long += self._is_long(left)
+        self.allowance_left -= num_new
+        self.prefill_tokens += num_new
+        self.chunks.append((num_new, num_computed))

@@ -1,0 +1,7 @@
+"""``python -m evenflow.frontend serve ...`` is the ``evenflow`` command."""
+
+import sys
+
+from evenflow.frontend.cli import main
+
+sys.exit(main())

@@ -1,0 +1,213 @@
+"""From a decoded OpenAI request to what the engine needs: prompt token ids and SamplingParams.
+
+Pure functions (no sockets, no event loop) so every validation rule is unit-tested directly.
+Each rule that rejects a request raises ``APIError(400)`` naming the field and the numbers.
+The ``*_async`` variants run tokenization and template rendering of a large input in a worker
+thread: the event loop also keeps the engine link alive (heartbeats), so it must not stall.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, TypeVar
+
+
+from evenflow.protocol import SamplingParams, StructuredOutputsParams
+from evenflow.protocol.validation import Problem, check_context_length, check_prompt_token_ids, check_sampling_params
+
+from evenflow.frontend.chat_template import ChatTemplateError, content_text, render_chat
+from evenflow.frontend.choices import ChoicePlan, fan_out, stop_strings
+from evenflow.frontend.tokenizer import Tokenizer
+from evenflow.frontend.api.errors import APIError, bad_request
+from evenflow.frontend.api.openai import ChatCompletionRequest, ChatMessage, _SamplingFields
+
+MAX_N = 128
+PROMPT_FORMS = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
+# Inputs above this many characters are tokenized/rendered off the event loop (a thread hop costs
+# ~50 us, tokenizing 2000 characters about as much; a 1 MB prompt would stall the loop for ~0.1 s).
+OFF_LOOP_CHARS = 2000
+CHARS_PER_TOKEN = 4  # for sizing token-id inputs against OFF_LOOP_CHARS
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+T = TypeVar("T")
+
+
+async def off_loop_if_large(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, in a worker thread when ``size`` (characters) exceeds OFF_LOOP_CHARS."""
+    if size > OFF_LOOP_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def completion_prompts(prompt: str | list[Any], tokenizer: Tokenizer) -> list[list[int]]:
+    """Token ids of each prompt: a string, strings, a token-id list, or token-id lists."""
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return tokenizer.encode_batch(list(prompt))
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [_checked_ids(prompt, tokenizer.vocab_size)]
+    if all(isinstance(p, list) for p in prompt):
+        if not all(all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+            raise bad_request(PROMPT_FORMS, "prompt")
+        return [_checked_ids(p, tokenizer.vocab_size) for p in prompt]
+    raise bad_request(PROMPT_FORMS, "prompt")
+
+
+async def completion_prompts_async(prompt: str | list[Any], tokenizer: Tokenizer) -> list[list[int]]:
+    """``completion_prompts``, off the event loop for a large prompt."""
+    return await off_loop_if_large(_prompt_size(prompt), completion_prompts, prompt, tokenizer)
+
+
+def _prompt_size(prompt: str | list[Any]) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    size = 0
+    for p in prompt:
+        if isinstance(p, str):
+            size += len(p)
+        elif isinstance(p, list):
+            size += len(p) * CHARS_PER_TOKEN
+        else:
+            size += CHARS_PER_TOKEN
+    return size
+
+
+def _checked_ids(ids: list[int], vocab_size: int) -> list[int]:
+    _raise_if(check_prompt_token_ids(ids, vocab_size))
+    return list(ids)
+
+
+def _raise_if(problem: Problem | None) -> None:
+    """A protocol validation Problem as OpenAI's 400, its field as ``param``."""
+    if problem is not None:
+        raise bad_request(problem.message, problem.field)
+
+
+def chat_prompt(req: ChatCompletionRequest | Any, tokenizer: Tokenizer, messages: list[ChatMessage]) -> list[int]:
+    """Render ``messages`` with the chat template and tokenize (the template places BOS itself)."""
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    try:
+        dicts = [{"role": m.role, "content": content_text(m.content), **({"name": m.name} if m.name else {})} for m in messages]
+        text = render_chat(
+            tokenizer.chat_template,
+            dicts,
+            add_generation_prompt=getattr(req, "add_generation_prompt", True),
+            bos_token=tokenizer.bos_token,
+            eos_token=tokenizer.eos_token,
+            extra_context=getattr(req, "chat_template_kwargs", None),
+        )
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def chat_prompt_async(req: ChatCompletionRequest | Any, tokenizer: Tokenizer,
+                            messages: list[ChatMessage]) -> list[int]:
+    """``chat_prompt``, off the event loop when the messages are large."""
+    size = sum(_content_size(m.content) for m in messages)
+    return await off_loop_if_large(size, chat_prompt, req, tokenizer, messages)
+
+
+def _content_size(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(str(part.get("text", ""))) if isinstance(part, dict) else 0 for part in content)
+    return 0
+
+
+def check_unsupported(req: Any) -> None:
+    """A 400 naming the field for OpenAI options evenflow does not implement, when the request
+    sets them to anything but their no-op value (silently ignoring them would change results)."""
+    def refuse(field: str) -> None:
+        raise bad_request(f"{field} is not supported by evenflow", field)
+
+    if getattr(req, "logit_bias", None):
+        refuse("logit_bias")
+    if getattr(req, "tools", None):
+        refuse("tools")
+    if getattr(req, "tool_choice", None) not in (None, "none"):
+        refuse("tool_choice")
+    if getattr(req, "functions", None):
+        refuse("functions")
+    if getattr(req, "function_call", None) not in (None, "none"):
+        refuse("function_call")
+    if getattr(req, "suffix", None):
+        refuse("suffix")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of > getattr(req, "n", 1):
+        refuse("best_of")
+    if getattr(req, "echo", False) and getattr(req, "logprobs", None) is not None:
+        raise bad_request("echo with logprobs needs prompt logprobs, which evenflow does not compute yet", "echo")
+
+
+def plan_choices(
+    req: _SamplingFields,
+    prompt_ids: list[int],
+    max_model_len: int,
+    vocab_size: int,
+    logprobs: int | None,
+    max_tokens: int | None = None,
+    default_max_tokens: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
+) -> ChoicePlan:
+    """SamplingParams for each of ``req.n`` choices, after every length and range check.
+
+    Without ``max_tokens`` (or ``req.max_tokens``), a choice gets ``default_max_tokens`` capped to
+    the room left in the context, or all that room when ``default_max_tokens`` is None.
+    """
+    _raise_if(check_prompt_token_ids(prompt_ids, vocab_size))
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
+    prompt_len = len(prompt_ids)
+    if max_tokens is None:
+        max_tokens = req.max_tokens
+    _raise_if(check_context_length(prompt_len, None, max_model_len))
+    if max_tokens is None:
+        room = max_model_len - prompt_len  # vLLM's chat default: whatever room is left
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    else:
+        _raise_if(check_context_length(prompt_len, max_tokens, max_model_len))
+    base = SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        structured_outputs=structured_outputs,
+    )
+    _raise_if(check_sampling_params(base, vocab_size))
+    params = fan_out(base, req.n)
+    _raise_if(check_sampling_params(params[-1]))  # the last choice's seed + n - 1 must still fit
+    return ChoicePlan(
+        prompt_token_ids=prompt_ids,
+        params=params,
+        stop=stop_strings(req.stop),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        priority=req.priority,
+    )
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def check_model(requested: str | None, served: list[str] | set[str]) -> None:
+    # No model, or "", means the served one, as in vLLM (_is_model_supported).
+    if requested and requested not in served:
+        raise APIError(404, f"The model `{requested}` does not exist. Served: {', '.join(served)}.", "model")

@@ -1,0 +1,247 @@
+"""Offline inference: ``LLM(model=DIR, **engine_args).generate(prompts, SamplingParams(...))``.
+
+``LLM`` starts an engine-core (and through it the workers) as a subprocess listening on an
+``ipc://`` socket in a private temp folder, connects a ``BlockingEngineClient`` to it (its event
+loop runs in a thread for the LLM's lifetime, so heartbeats keep the engine from dropping the
+client between two ``generate()`` calls), and runs batches through the same output path as the
+HTTP server (incremental detokenization, stop strings, ``n`` samples). ``shutdown()`` (also at interpreter exit) stops the
+engine-core by PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import msgspec
+
+from evenflow.protocol import SamplingParams as EngineSamplingParams
+from evenflow.protocol.validation import check_context_length, check_prompt_token_ids, check_sampling_params
+
+from evenflow.frontend.generation import Generation
+from evenflow.frontend.choices import ChoicePlan, fan_out, stop_strings
+from evenflow.frontend.structured_outputs import offline_structured_outputs
+from evenflow.frontend.chat_template import render_chat
+from evenflow.frontend.outputs import LogprobEntry
+from evenflow.frontend.progress import Progress
+from evenflow.frontend.tokenizer import Tokenizer
+
+
+class SamplingParams(EngineSamplingParams, kw_only=True):
+    """The engine's SamplingParams plus what the frontend handles: ``n``, stop strings, text options."""
+
+    n: int = 1
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def engine_params(self) -> EngineSamplingParams:
+        """The part the engine sees (the protocol Struct, without the frontend-only fields)."""
+        return EngineSamplingParams(**{f: getattr(self, f) for f in EngineSamplingParams.__struct_fields__})
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of one prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[LogprobEntry] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """All samples of one prompt; ``.text`` etc. are those of the first sample."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+def engine_args_to_flags(engine_args: dict[str, Any]) -> list[str]:
+    """``max_num_batched_tokens=64`` -> ``--max-num-batched-tokens 64``; ``flag=True`` -> ``--flag``."""
+    flags: list[str] = []
+    for key, value in engine_args.items():
+        if value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, dict):  # e.g. speculative_config={...}: the flag takes JSON
+            value = json.dumps(value)
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
+
+
+class LLM:
+    """An engine-core in the background and a synchronous API in front of it."""
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, *, tokenizer: str | None = None,
+                 chat_template: str | None = None, startup_timeout: float = 600.0, **engine_args: Any) -> None:
+        from evenflow.frontend.clients.blocking import BlockingEngineClient
+
+        if model is None:
+            from evenflow.frontend.demo_model import ensure_demo_model
+
+            model = ensure_demo_model()
+        self.model = str(model)
+        self._tmpdir = tempfile.mkdtemp(prefix="evenflow-llm-")
+        self.address = f"ipc://{self._tmpdir}/engine.sock"
+        self.log_path = Path(self._tmpdir) / "engine-core.log"
+        cmd = [sys.executable, "-m", "evenflow.core.cli", "--model", self.model, "--listen", self.address,
+               *engine_args_to_flags(engine_args)]
+        self._log = open(self.log_path, "wb")
+        self._proc: subprocess.Popen | None = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self._client = BlockingEngineClient(self.address, client_name=f"llm-{os.getpid()}")
+        self._ids = itertools.count()
+        atexit.register(self.shutdown)
+        try:
+            self.ready = self._connect(startup_timeout)
+            self.tokenizer = Tokenizer.from_dir(tokenizer or self.ready.model_path, chat_template=chat_template)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _connect(self, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._client.connect(timeout=2.0)
+            except Exception as e:
+                if self._proc is not None and self._proc.poll() is not None:
+                    raise RuntimeError(f"engine-core exited with code {self._proc.returncode}:\n{self._log_tail()}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"engine-core did not answer within {timeout:.0f} s ({e})\n{self._log_tail()}") from None
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt (text or token ids); one RequestOutput per prompt, in order."""
+        texts, id_lists = self._normalize_prompts(prompts)
+        return self._run(texts, id_lists, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Answer one conversation (a list of messages) or many (a list of lists)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        texts = [render_chat(self.tokenizer.chat_template, list(c), add_generation_prompt,  # type: ignore[arg-type]
+                             self.tokenizer.bos_token, self.tokenizer.eos_token) for c in conversations]
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return self._run(texts, ids, sampling_params, use_tqdm)
+
+    def _normalize_prompts(self, prompts: Any) -> tuple[list[str | None], list[list[int]]]:
+        if isinstance(prompts, str):
+            return [prompts], [self.tokenizer.encode(prompts)]
+        prompts = list(prompts)
+        if prompts and all(isinstance(p, int) for p in prompts):
+            return [None], [list(prompts)]
+        texts: list[str | None] = [p if isinstance(p, str) else None for p in prompts]
+        str_ids = iter(self.tokenizer.encode_batch([p for p in prompts if isinstance(p, str)]))
+        return texts, [next(str_ids) if isinstance(p, str) else list(p) for p in prompts]
+
+    def _run(self, texts: list[str | None], id_lists: list[list[int]], sampling_params: Any,
+             use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, EngineSamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(id_lists)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(id_lists):
+                raise ValueError(f"{len(params_list)} sampling params for {len(id_lists)} prompts")
+        gens = [self._generation(ids, sp) for ids, sp in zip(id_lists, params_list)]
+        progress = Progress(len(gens), enabled=use_tqdm and len(gens) >= 8)
+        self._client.run(self._run_all(gens, progress))
+        progress.close()
+        results = []
+        for gen, text, ids in zip(gens, texts, id_lists):
+            outs = [CompletionOutput(j.index, j.assembler.text, j.assembler.token_ids, j.assembler.finish_reason,
+                                     j.assembler.stop_reason, j.assembler.logprobs if j.params.logprobs is not None else None)
+                    for j in gen.jobs]
+            results.append(RequestOutput(gen.jobs[0].engine_id.rsplit("-", 1)[0], text, ids, outs, gen.num_cached_tokens))
+        return results
+
+    def _generation(self, prompt_ids: list[int], sp: EngineSamplingParams) -> Generation:
+        n = getattr(sp, "n", 1)
+        engine = sp.engine_params() if isinstance(sp, SamplingParams) else sp
+        max_len = self.ready.max_model_len
+        problem = (check_prompt_token_ids(prompt_ids, self.ready.vocab_size)
+                   or check_context_length(len(prompt_ids), None, max_len))
+        if problem is not None:
+            raise ValueError(problem.message)
+        if len(prompt_ids) + engine.max_tokens > max_len:
+            room = max_len - len(prompt_ids)
+            engine = msgspec.structs.replace(engine, max_tokens=room, min_tokens=min(engine.min_tokens, room))
+        problem = check_sampling_params(engine, self.ready.vocab_size)
+        if problem is not None:
+            raise ValueError(problem.message)
+        if engine.structured_outputs is not None:
+            engine = msgspec.structs.replace(engine, structured_outputs=offline_structured_outputs(engine.structured_outputs))
+        plan = ChoicePlan(prompt_ids, fan_out(engine, n), stop_strings(getattr(sp, "stop", None)),
+                          getattr(sp, "include_stop_str_in_output", False), getattr(sp, "skip_special_tokens", True), 0)
+        return Generation(self._client.async_client, self.tokenizer, f"llm{next(self._ids)}", [plan])
+
+    async def _run_all(self, gens: list[Generation], progress: Progress) -> None:
+        async def one(gen: Generation) -> None:
+            await gen.run_to_end()
+            progress.update()
+
+        await asyncio.gather(*(one(g) for g in gens))
+
+    def shutdown(self) -> None:
+        """Close the client and stop the engine-core (SIGTERM, then SIGKILL after 10 s)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            self._client.close()
+        except Exception:
+            pass
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self._log.close()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        atexit.unregister(self.shutdown)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,172 @@
+"""``evenflow serve``: engine-cores and N frontend processes behind one HTTP port.
+
+With ``--data-parallel-size D`` it starts D engine-cores (each with its own workers and KV cache,
+on its own share of this process's CPUs, or of ``CUDA_VISIBLE_DEVICES`` when that lists enough
+GPUs) and every frontend routes among all of them (``--routing-policy``).
+
+The parent reserves the port with a bound (never listening) SO_REUSEPORT socket, so ``--port 0``
+works and nobody else takes it; each frontend binds its own SO_REUSEPORT listener on it after it
+has connected to the engine, and the kernel spreads connections over them. Frontends publish
+metrics to a shared temp folder (EVENFLOW_METRICS_DIR) so ``/metrics`` counts each request once.
+Ctrl-C (or SIGTERM, or any child dying) stops every child by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Sequence
+
+from evenflow.protocol.lifeline import child_env
+
+from evenflow.frontend.flags import add_frontend_flags
+from evenflow.frontend.reuse_port import bind_reuseport
+
+DEMO_NAME = "demo"
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="evenflow serve",
+        allow_abbrev=False,  # an abbreviation must not swallow an engine-core flag
+        description="Start one engine-core and N frontends. Flags not listed here go to engine-core "
+        "(see `engine-core --help`).",
+    )
+    p.add_argument("--model", default=None, help="model folder (default: the built-in demo model, random weights)")
+    p.add_argument("--frontends", type=int, default=1, help="HTTP frontend processes sharing the port")
+    p.add_argument("--engine-listen", default=None, help="engine-core address (default: ipc:// in a temp folder; "
+                   "only with one engine-core)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine-cores (replicas with their own workers and KV cache) behind the frontends")
+    add_frontend_flags(p)
+    return p
+
+
+def _stop(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
+    """SIGTERM every live child, wait, then SIGKILL the stragglers (by PID, children only)."""
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def cpu_shares(n: int) -> list[set[int] | None]:
+    """This process's CPUs split into ``n`` contiguous shares (None each: too few CPUs to split)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if n == 1 or len(cpus) < n:
+        return [None] * n
+    size = len(cpus) // n
+    return [set(cpus[i * size:(i + 1) * size]) for i in range(n)]
+
+
+def engine_envs(env: dict[str, str], n: int) -> list[dict[str, str]]:
+    """Each engine-core's environment: its own share of CUDA_VISIBLE_DEVICES when that lists >= n GPUs."""
+    gpus = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    if n == 1 or len(gpus) < n:
+        return [env] * n
+    size = len(gpus) // n
+    return [dict(env, CUDA_VISIBLE_DEVICES=",".join(gpus[i * size:(i + 1) * size])) for i in range(n)]
+
+
+def _pin_to(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A preexec_fn pinning the child (and the workers it starts) to ``cpus``; their thread plans follow."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    args, engine_flags = serve_parser().parse_known_args(list(argv))
+    if args.frontends < 1 or args.data_parallel_size < 1:
+        print("evenflow serve: --frontends and --data-parallel-size must be >= 1", file=sys.stderr)
+        return 2
+    if args.engine_listen and args.data_parallel_size > 1:
+        print("evenflow serve: --engine-listen names one engine-core; with --data-parallel-size > 1 the "
+              "engine-cores listen on ipc:// sockets in a temp folder", file=sys.stderr)
+        return 2
+    served_name = args.served_model_name
+    note = ""
+    model = args.model
+    if model is None:
+        from evenflow.frontend.demo_model import RANDOM_WEIGHTS_NOTE, default_demo_dir, ensure_demo_model
+
+        if not (default_demo_dir() / "config.json").exists():
+            print(f"evenflow: writing the demo model to {default_demo_dir()} (first use) ...", flush=True)
+        model = str(ensure_demo_model())
+        served_name = served_name or DEMO_NAME
+        note = f"\n  NOTE: {RANDOM_WEIGHTS_NOTE} (pass --model DIR for a real model)"
+    workdir = tempfile.mkdtemp(prefix="evenflow-serve-")
+    dp = args.data_parallel_size
+    engine_addrs = ([args.engine_listen or f"ipc://{workdir}/engine.sock"] if dp == 1
+                    else [f"ipc://{workdir}/engine-{i}.sock" for i in range(dp)])
+    metrics_dir = os.path.join(workdir, "metrics")
+    os.makedirs(metrics_dir)
+    reserved = bind_reuseport(args.host, args.port)  # bound, never listening: holds the port
+    port = reserved.getsockname()[1]
+    # Children get SIGTERM if this launcher dies, even by SIGKILL (evenflow/protocol/lifeline.py).
+    env = child_env(dict(os.environ, EVENFLOW_METRICS_DIR=metrics_dir))
+    if args.api_key:  # through the environment: a command line is visible to every user in `ps`
+        env["EVENFLOW_API_KEY"] = args.api_key
+    py = sys.executable
+    procs: list[subprocess.Popen] = []
+    for i, (addr, engine_env) in enumerate(zip(engine_addrs, engine_envs(env, dp))):
+        engine_cmd = [py, "-m", "evenflow.core.cli", "--model", model, "--listen", addr, *engine_flags]
+        if served_name:
+            engine_cmd += ["--served-model-name", served_name]
+        procs.append(subprocess.Popen(engine_cmd, env=engine_env, preexec_fn=_pin_to(cpu_shares(dp)[i])))
+    engines = procs[:dp]
+    for i in range(args.frontends):
+        cmd = [py, "-m", "evenflow.frontend.cli", "--host", args.host, "--port", str(port),
+               "--frontend-name", f"frontend-{i}", "--routing-policy", args.routing_policy,
+               "--routing-balance-abs-threshold", str(args.routing_balance_abs_threshold),
+               "--routing-balance-rel-threshold", str(args.routing_balance_rel_threshold)]
+        for addr in engine_addrs:
+            cmd += ["--engine", addr]
+        for flag in ("served_model_name", "chat_template", "tokenizer", "max_request_body_bytes"):
+            value = getattr(args, flag)
+            if value:
+                cmd += ["--" + flag.replace("_", "-"), str(value)]
+        if i > 0:
+            cmd.append("--no-log-stats")  # one throughput log line per interval, not N copies
+        procs.append(subprocess.Popen(cmd, env=env))
+    where = ", ".join(f"{a} (pid {p.pid})" for a, p in zip(engine_addrs, engines))
+    print(f"evenflow: serving {served_name or model} on http://{args.host}:{port} with {args.frontends} "
+          f"frontend(s); engine-core(s) at {where}{note}", flush=True)
+
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        while not stopping:
+            dead = [p for p in procs if p.poll() is not None]
+            if dead:
+                print(f"evenflow: process {dead[0].pid} ({' '.join(dead[0].args[2:4])}) exited with code "
+                      f"{dead[0].returncode}; stopping everything", file=sys.stderr, flush=True)
+                code = 1
+                break
+            time.sleep(0.2)
+    finally:
+        # Frontends first (they drain and close their engine connections), then the engine-core.
+        _stop(procs[dp:])
+        _stop(engines)
+        reserved.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return code

@@ -1,7 +1,0 @@
-"""The contract between evenflow's processes: messages, codec, version (and ``hf_config``, the checkpoint
-config reader every part uses). Depends on nothing else."""
-
-from .codec import Codec, DecodeError, MAX_FRAME_BYTES
-from .messages import *  # noqa: F401,F403  (every message type is part of the public contract)
-from .version import PROTOCOL_VERSION
-from .speculative import SPECULATIVE_METHODS, SpeculativeConfig, parse_speculative_config

@@ -1,3 +1,0 @@
-"""Protocol version: bumped on any incompatible change to protocol/messages.py."""
-
-PROTOCOL_VERSION = 1

@@ -67,6 +67,7 @@ class SchedulerConfig:
     target_itl_ms: float | None = None  # None: a fixed budget; else max_num_batched_tokens is its upper bound
     max_num_partial_prefills: int = 1  # > 1: bounds on prompts mid-prefill (vLLM V0), see prefill_gate.py
     max_long_partial_prefills: int = 1
+    max_loras: int = 0  # 0: LoRA off; else the most adapters among running requests (--max-loras)
 
     @property
     def effective_long_prefill_threshold(self) -> int:

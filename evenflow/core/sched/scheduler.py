@@ -37,6 +37,7 @@ from evenflow.core.kv.manager import KVCacheManager
 from evenflow.core.sched.prefill_gate import PrefillGate
 from evenflow.core.request import FCFSQueue, PriorityQueue, Request, RequestStatus, WaitingQueue
 from evenflow.core.sched.draft_slots import SpecDecodeCounters, num_draft_slots
+from evenflow.core.sched.lora_slots import LoRASlots
 from evenflow.core.sched.structured_output import StructuredOutputManager
 
 
@@ -64,7 +65,8 @@ class Scheduler:
         self._schedule_s = 0.0
         self._update_s = 0.0
         self._spec_counters = SpecDecodeCounters()
-        self._grammar_failures: list[Error] = []  # for take_grammar_failures
+        self._grammar_failures: list[Error] = []  # for take_grammar_failures (LoRA load failures too)
+        self.lora_slots = LoRASlots(config.max_loras) if config.max_loras else None  # None: LoRA off
 
     @property
     def num_running(self) -> int:
@@ -85,6 +87,8 @@ class Scheduler:
             raise ValueError(
                 f"prompt of {request.num_prompt_tokens} tokens: must be 1..max_model_len={self.config.max_model_len}"
             )
+        if request.lora is not None and self.lora_slots is None:
+            raise ValueError("this engine-core does not serve LoRA adapters (start it with --enable-lora)")
         if request.use_structured_output:
             if self.structured_output is None:
                 raise ValueError("this engine-core does not serve structured output")
@@ -182,6 +186,9 @@ class Scheduler:
                     # A token of an in-flight step is still owed to it.
                     skipped.append(self.waiting.pop())
                     continue
+                if self.lora_slots is not None and not self.lora_slots.admits(request, self.running):
+                    skipped.append(self.waiting.pop())  # its adapter is loading, or max_loras are in use
+                    continue
                 computed = kv.get_computed_blocks(request)  # the request trusts only the cache
                 num_new = self._clamp(request.num_tokens - computed.num_tokens, computed.num_tokens, token_budget)
                 if gate is not None:
@@ -209,6 +216,7 @@ class Scheduler:
                             request.sampling_params,
                             block_ids,
                             computed.num_tokens,
+                            request.lora,
                         )
                     )
                 else:  # back from preemption: the block table is replaced as a whole
@@ -240,6 +248,8 @@ class Scheduler:
         )
         if controller is not None:
             controller.record(output, gate)  # type: ignore[arg-type]  # a controller always opens a gate
+        if self.lora_slots is not None:
+            output.lora_prefetch, output.lora_unloaded = self.lora_slots.take_orders()
         if structured:
             output.structured_output_req_ids = [request.request_id for request in structured]
             output.grammar_bitmask = self.structured_output.fill_bitmask(structured)  # type: ignore[union-attr]
@@ -282,6 +292,16 @@ class Scheduler:
         elif problem == "":
             request.status = RequestStatus.WAITING
         return problem == ""
+
+    def _fail_lora_requests(self) -> None:
+        """Finish the waiting requests whose adapter failed to load; their clients hear why."""
+        failed, self.lora_slots.failed = self.lora_slots.failed, {}  # type: ignore[union-attr]
+        for request in [r for r in self.requests.values() if r.lora is not None and r.lora.identity in failed]:
+            if request.status != RequestStatus.RUNNING:
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                self._grammar_failures.append(Error(
+                    ERR_INVALID_REQUEST, f"LoRA adapter {request.lora.name!r} failed to load: "  # type: ignore[union-attr]
+                    f"{failed[request.lora.identity]}", request.request_id))  # type: ignore[union-attr]
 
     def take_grammar_failures(self) -> list[Error]:
         """``invalid_request`` errors (engine request ids) of the grammars that failed to compile."""
@@ -330,6 +350,10 @@ class Scheduler:
         requests = self.requests
         outputs: list[RequestOutput] = []
         any_running_finished = False
+        if self.lora_slots is not None:
+            self.lora_slots.observe(model_runner_output)
+            if self.lora_slots.failed:
+                self._fail_lora_requests()
         for i, (req_id, sampled) in enumerate(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)):
             if not sampled:
                 continue  # a partial prefill chunk samples nothing

@@ -33,6 +33,7 @@ from evenflow.core.deadlines import Deadlines, check_timeout
 from evenflow.core.engine_config import EngineConfig
 from evenflow.core.frontend_link import ClientGone, ClientMessage, FrontendLink
 from evenflow.core.kv.events import KVEventLog
+from evenflow.core.lora_calls import LORA_METHODS, lora_of_request, lora_registry_for, lora_utility
 from evenflow.core.model_info import ModelInfo
 from evenflow.core.request import Request
 from evenflow.core.routing import RequestRouter
@@ -77,6 +78,7 @@ class EngineCore:
         self.scheduler: Scheduler | None = None
         self.link: FrontendLink | None = None
         self._kv_events: KVEventLog | None = None  # prefix-cache changes for routing frontends
+        self.lora = lora_registry_for(cfg)  # None: LoRA off
 
     def _worker_template(self) -> WorkerConfig:
         return worker_template(self.cfg, self.info.model_path, self.max_model_len)
@@ -100,7 +102,8 @@ class EngineCore:
             long_prefill_token_threshold=self.cfg.long_prefill_token_threshold, policy=self.cfg.scheduling_policy,
             enable_prefix_caching=self.cfg.enable_prefix_caching, target_itl_ms=self.cfg.target_itl_ms,
             max_num_partial_prefills=self.cfg.max_num_partial_prefills,
-            max_long_partial_prefills=self.cfg.max_long_partial_prefills, speculative_config=self.cfg.speculative_config)
+            max_long_partial_prefills=self.cfg.max_long_partial_prefills, speculative_config=self.cfg.speculative_config,
+            max_loras=self.cfg.max_loras if self.cfg.enable_lora else 0)
         sched_cfg.validate()
         self.workers.init_kv_cache(num_blocks)
         # A finished grammar compile wakes an idle loop through the inbox (None: no message).
@@ -113,7 +116,7 @@ class EngineCore:
         ready = Ready(PROTOCOL_VERSION, self.info.model_name, self.info.model_path, self.max_model_len,
                       self.info.vocab_size, list(self.info.eos_token_ids), self.block_size, num_blocks,
                       self.cfg.max_num_batched_tokens, uuid.uuid4().hex[:12], self.cfg.max_frame_bytes,
-                      list(self.info.model_aliases))
+                      list(self.info.model_aliases), None if self.lora is None else self.lora.refs())
         self.link = FrontendLink(self._ctx, self.cfg.listen, ready, max_frame_bytes=self.cfg.max_frame_bytes,
                                  client_timeout=self.cfg.client_timeout, curve_keys=self.cfg.curve_keys)
         self.link.start()
@@ -180,7 +183,7 @@ class EngineCore:
             so = sched.schedule()
             for error in sched.take_grammar_failures():  # the request is gone: tell its client why
                 self._send_request_error(error)
-            if so.total_num_scheduled_tokens > 0:
+            if so.total_num_scheduled_tokens > 0 or so.lora_prefetch or so.lora_unloaded:  # loads ride along
                 self._send(so)
                 scheduled = True
             else:  # nothing to run: carry the bookkeeping to the next step that is sent
@@ -279,6 +282,8 @@ class EngineCore:
         try:
             request = Request(eid, msg.prompt_token_ids, msg.sampling_params, self.info.eos_token_ids,
                               arrival_time=msg.arrival_time or None, priority=msg.priority)
+            if msg.lora_name:
+                request.set_lora(lora_of_request(self.lora, msg.lora_name))
             sched.add_request(request)
         except ValueError as e:  # a check the IO thread does not know about: refuse this one request
             link.send(identity, Error(ERR_INVALID_REQUEST, str(e), msg.request_id))
@@ -313,13 +318,15 @@ class EngineCore:
     def _utility(self, call: UtilityCall) -> UtilityResult:
         if call.method == "get_stats":
             return UtilityResult(call.call_id, True, self.stats())
+        if call.method in LORA_METHODS:
+            return lora_utility(call, self.lora, self.scheduler)  # type: ignore[arg-type]
         if call.method == "reset_prefix_cache":
             done = self.scheduler.reset_prefix_cache()  # type: ignore[union-attr]
             self._report_kv_events(self.stats(), force=True)
             return UtilityResult(call.call_id, True, done)
         return UtilityResult(call.call_id, False, None,
                              f"no utility method {call.method!r} "
-                             f"(known: get_stats, reset_prefix_cache)")
+                             f"(known: get_stats, reset_prefix_cache, {', '.join(LORA_METHODS)})")
 
     # ----------------------------------------------------------------------------- endings
 

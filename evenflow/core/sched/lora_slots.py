@@ -53,11 +53,11 @@ class LoRASlots:
             self._asked.discard(identity)
             self.failed[identity] = reason
 
-    def unload(self, identity: str) -> None:
-        """An adapter the engine no longer serves: workers may drop it."""
-        self._loaded.discard(identity)
-        self._asked.discard(identity)
-        self._unloaded.append(identity)
+    def unload(self, identity: str, in_use: bool) -> None:
+        """An adapter the engine no longer serves: workers may drop its slot once no request uses it
+        (requests that hold it finish with the weights they started with)."""
+        if not in_use:
+            self._unloaded.append(identity)
 
     def take_orders(self) -> tuple[list[AdapterRef], list[str]]:
         """(prefetches, unloads) for the next SchedulerOutput."""

@@ -31,7 +31,7 @@ from evenflow.frontend.api.sse import DONE, SSEResponse, run_until_disconnect, s
 async def create_chat_completion(ctx: ServingContext, body: bytes, receive: Receive,
                                 timeout_s: float = 0.0) -> Response | SSEResponse:
     req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest)
-    ctx.check_model(req.model)
+    lora = await ctx.resolve_model(req.model)
     check_unsupported(req)
     structured = await structured_outputs_async(req)
     prompt_ids = await chat_prompt_async(req, ctx.tokenizer, req.messages)
@@ -40,7 +40,7 @@ async def create_chat_completion(ctx: ServingContext, body: bytes, receive: Rece
     plan = plan_choices(req, prompt_ids, ctx.max_model_len, ctx.vocab_size, logprobs, max_tokens=max_tokens,
                         structured_outputs=structured)
     request_id = new_id("chatcmpl")
-    gen = Generation(ctx.client, ctx.tokenizer, request_id, [plan], ctx.metrics, timeout_s=timeout_s)
+    gen = Generation(ctx.client, ctx.tokenizer, request_id, [plan], ctx.metrics, timeout_s=timeout_s, lora=lora)
     top_n = logprobs or 0
     if req.stream:
         await admit(gen, receive)

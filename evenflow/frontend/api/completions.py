@@ -26,7 +26,7 @@ def usage_of(gen: Generation) -> Usage:
 async def create_completion(ctx: ServingContext, body: bytes, receive: Receive,
                            timeout_s: float = 0.0) -> Response | SSEResponse:
     req: CompletionRequest = decode_body(body, CompletionRequest)
-    ctx.check_model(req.model)
+    lora = await ctx.resolve_model(req.model)
     check_unsupported(req)
     structured = await structured_outputs_async(req)
     prompts = await completion_prompts_async(req.prompt, ctx.tokenizer)
@@ -34,7 +34,7 @@ async def create_completion(ctx: ServingContext, body: bytes, receive: Receive,
                           default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, structured_outputs=structured)
              for ids in prompts]
     request_id = new_id("cmpl")
-    gen = Generation(ctx.client, ctx.tokenizer, request_id, plans, ctx.metrics, timeout_s=timeout_s)
+    gen = Generation(ctx.client, ctx.tokenizer, request_id, plans, ctx.metrics, timeout_s=timeout_s, lora=lora)
     echo = [_prompt_text(ctx, req, i, ids) for i, ids in enumerate(prompts)] if req.echo else None
     if req.stream:
         await admit(gen, receive)

@@ -13,8 +13,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.types import Receive
 
-from evenflow.protocol import ERR_OVERLOADED, ERR_REQUEST_TIMEOUT
+from evenflow.protocol import ERR_OVERLOADED, ERR_REQUEST_TIMEOUT, AdapterRef
 
+from evenflow.frontend.lora_adapters import LoRAAdapters
 from evenflow.frontend.metrics import FrontendMetrics
 from evenflow.frontend.tokenizer import Tokenizer
 from evenflow.frontend.api.errors import APIError, field_from_decode_error
@@ -36,6 +37,7 @@ class ServingContext:
     max_body_bytes: int = 0  # set from ServerConfig (DEFAULT_MAX_BODY_BYTES); 0 = the default
     created: int = field(default_factory=lambda: int(time.time()))
     model_aliases: tuple[str, ...] = ()  # other names requests may use (the folder's base name)
+    lora: LoRAAdapters = field(default_factory=LoRAAdapters)  # adapters, chosen by the model field
 
     @property
     def served_names(self) -> list[str]:
@@ -44,6 +46,18 @@ class ServingContext:
 
     def check_model(self, requested: str | None) -> None:
         check_model(requested, self.served_names)
+
+    async def resolve_model(self, requested: str | None) -> AdapterRef | None:
+        """The LoRA adapter the ``model`` field names (None: the base model); 404 for an unknown name."""
+        if not requested or requested in self.served_names:
+            return None
+        adapter = self.lora.get(requested)
+        if adapter is None and self.lora.enabled:
+            await self.lora.refresh(self.client)  # loaded through another frontend since
+            adapter = self.lora.get(requested)
+        if adapter is None:
+            check_model(requested, self.served_names + self.lora.names())
+        return adapter
 
 
 # A body larger than this is refused with 413 before it is read whole: a 1M-token prompt as text is ~4 MiB.

@@ -16,9 +16,10 @@ import logging
 from typing import AsyncIterator
 
 from evenflow.protocol import (
-    ERR_DUPLICATE_ID, ERR_NOT_READY, Outputs, Ready, RequestOutput, SamplingParams, SchedulerStats, UtilityResult,
+    ERR_DUPLICATE_ID, ERR_NOT_READY, Outputs, Ready, RequestOutput, SamplingParams, SchedulerStats, UtilityResult, LoRALoad,
 )
-from evenflow.protocol.block_hash import extend_block_hashes
+from evenflow.protocol.block_hash import adapter_extra_keys, extend_block_hashes
+from evenflow.protocol.lora import AdapterRef
 
 from evenflow.frontend.clients.engine_client import EngineClient
 from evenflow.frontend.clients.errors import ERR_ENGINE_DEAD, EngineError
@@ -106,17 +107,19 @@ class DataParallelClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        priority: int = 0, arrival_time: float | None = None,
-                       timeout_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+                       timeout_s: float = 0.0, lora: AdapterRef | None = None) -> AsyncIterator[RequestOutput]:
         """Route the request to one engine-core and stream its deltas (see EngineClient.generate)."""
         if request_id in self._owner:
             raise EngineError(ERR_DUPLICATE_ID, f"request id {request_id!r} is already live", request_id)
-        decision, hashes = self._route(prompt_token_ids)
+        decision, hashes = self._route(prompt_token_ids, lora)
         engine = decision.engine
         assert self.router is not None
         self.router.on_routed(engine, hashes)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         self._owner[request_id] = engine
-        deadline = {"timeout_s": timeout_s} if timeout_s > 0 else {}
+        deadline: dict = {"timeout_s": timeout_s} if timeout_s > 0 else {}
+        if lora is not None:
+            deadline["lora"] = lora
         inner = self.clients[engine].generate(request_id, prompt_token_ids, sampling_params, priority, arrival_time,
                                               **deadline)
         try:
@@ -135,13 +138,14 @@ class DataParallelClient:
         for engine, ids in by_engine.items():
             await self.clients[engine].abort(ids)
 
-    async def call_utility(self, method: str, timeout: float = 30.0) -> UtilityResult:
+    async def call_utility(self, method: str, timeout: float = 30.0, lora: LoRALoad | None = None) -> UtilityResult:
         """Call ``method`` on every reachable engine-core. ``get_stats`` returns the totals (and
         refreshes ``engine_stats()``); it succeeds while at least one engine answers."""
         live = [i for i, c in enumerate(self.clients) if c.connected]
         if not live:
             raise self._unreachable()
-        results = await asyncio.gather(*(self.clients[i].call_utility(method, timeout) for i in live),
+        extra = {"lora": lora} if lora is not None else {}
+        results = await asyncio.gather(*(self.clients[i].call_utility(method, timeout, **extra) for i in live),
                                        return_exceptions=True)
         answers = {i: r for i, r in zip(live, results) if isinstance(r, UtilityResult)}
         if not answers:
@@ -153,14 +157,14 @@ class DataParallelClient:
             return UtilityResult(0, True, self.stats)
         ok = all(r.ok for r in answers.values()) and len(answers) == len(self.clients)
         return UtilityResult(0, ok, ok, "" if ok else f"{len(self.clients) - len(answers)} engine-core(s) "
-                                                      "did not answer")
+                                                      "did not answer", next(iter(answers.values())).lora_adapters)
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
 
     # ----------------------------------------------------------------------------- internals
 
-    def _route(self, prompt_token_ids: list[int]) -> tuple[Decision, list[bytes]]:
+    def _route(self, prompt_token_ids: list[int], lora: AdapterRef | None = None) -> tuple[Decision, list[bytes]]:
         assert self.router is not None and self.ready is not None, "call connect() first"
         candidates = [i for i, c in enumerate(self.clients) if c.connected]
         if not candidates:
@@ -171,7 +175,8 @@ class DataParallelClient:
         if self.routing.policy == "prefix":
             # As the engine: full blocks only, and never the last token (it is always recomputed).
             block_size = self.ready.block_size
-            extend_block_hashes(hashes, prompt_token_ids, (len(prompt_token_ids) - 1) // block_size, block_size)
+            extend_block_hashes(hashes, prompt_token_ids, (len(prompt_token_ids) - 1) // block_size, block_size,
+                                adapter_extra_keys(lora.identity if lora is not None else None))
         return self.router.choose(hashes, candidates), hashes
 
     def _notice_restart(self, engine: int) -> None:

@@ -31,6 +31,15 @@ log = logging.getLogger("evenflow.frontend.clients.data_parallel")
 _SAME_MODEL = ("model_name", "model_path", "max_model_len", "vocab_size", "eos_token_ids", "block_size")
 
 
+def route_hashes(prompt_token_ids: list[int], block_size: int, lora: AdapterRef | None) -> list[bytes]:
+    """The block hashes a prompt will have in an engine-core (its adapter's identity included)."""
+    hashes: list[bytes] = []
+    # As the engine: full blocks only, and never the last token (it is always recomputed).
+    extend_block_hashes(hashes, prompt_token_ids, (len(prompt_token_ids) - 1) // block_size, block_size,
+                        adapter_extra_keys(lora.identity if lora is not None else None))
+    return hashes
+
+
 def sum_stats(snapshots: list[SchedulerStats]) -> SchedulerStats:
     """Totals over engine-cores: counts and seconds add up; KV cache usage is the mean; the
     adaptive budget's target is the engines' (the same flag), not a sum."""
@@ -171,12 +180,7 @@ class DataParallelClient:
             raise self._unreachable()
         for i in candidates:
             self._notice_restart(i)
-        hashes: list[bytes] = []
-        if self.routing.policy == "prefix":
-            # As the engine: full blocks only, and never the last token (it is always recomputed).
-            block_size = self.ready.block_size
-            extend_block_hashes(hashes, prompt_token_ids, (len(prompt_token_ids) - 1) // block_size, block_size,
-                                adapter_extra_keys(lora.identity if lora is not None else None))
+        hashes = route_hashes(prompt_token_ids, self.ready.block_size, lora) if self.routing.policy == "prefix" else []
         return self.router.choose(hashes, candidates), hashes
 
     def _notice_restart(self, engine: int) -> None:

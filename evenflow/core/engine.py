@@ -283,7 +283,12 @@ class EngineCore:
             request = Request(eid, msg.prompt_token_ids, msg.sampling_params, self.info.eos_token_ids,
                               arrival_time=msg.arrival_time or None, priority=msg.priority)
             if msg.lora_name:
-                request.set_lora(lora_of_request(self.lora, msg.lora_name))
+                adapter = lora_of_request(self.lora, msg.lora_name)
+                if isinstance(adapter, Error):
+                    adapter.request_id = msg.request_id
+                    link.send(identity, adapter)
+                    return
+                request.set_lora(adapter)
             sched.add_request(request)
         except ValueError as e:  # a check the IO thread does not know about: refuse this one request
             link.send(identity, Error(ERR_INVALID_REQUEST, str(e), msg.request_id))

@@ -8,7 +8,7 @@ behind ``--allow-runtime-lora-updating`` and the API key).
 
 from __future__ import annotations
 
-from evenflow.protocol import UtilityCall, UtilityResult
+from evenflow.protocol import ERR_UNKNOWN_LORA_ADAPTER, Error, UtilityCall, UtilityResult
 from evenflow.protocol.hf_config import read_hf_config
 from evenflow.protocol.lora import AdapterRef
 
@@ -27,14 +27,15 @@ def lora_registry_for(cfg: EngineConfig) -> LoRARegistry | None:
     return LoRARegistry(cfg.max_lora_rank, num_layers if isinstance(num_layers, int) else None, cfg.lora_modules)
 
 
-def lora_of_request(registry: LoRARegistry | None, name: str) -> AdapterRef:
-    """The adapter a request names; ValueError (the request's invalid_request) when none is served."""
+def lora_of_request(registry: LoRARegistry | None, name: str) -> AdapterRef | Error:
+    """The adapter a request names, or the ``unknown_lora_adapter`` Error (without its request id)."""
     if registry is None:
-        raise ValueError(f"lora_name {name!r}: this engine-core serves no LoRA adapters (start it with --enable-lora)")
+        return Error(ERR_UNKNOWN_LORA_ADAPTER, f"lora_name {name!r}: this engine-core serves no LoRA adapters "
+                                               f"(start it with --enable-lora)")
     ref = registry.get(name)
     if ref is None:
         known = ", ".join(r.name for r in registry.refs()) or "none"
-        raise ValueError(f"unknown LoRA adapter {name!r} (served: {known})")
+        return Error(ERR_UNKNOWN_LORA_ADAPTER, f"unknown LoRA adapter {name!r} (served: {known})")
     return ref
 
 

@@ -435,6 +435,7 @@ ERR_ENGINE_SHUTDOWN = "engine_shutdown"
 ERR_UNKNOWN_METHOD = "unknown_method"
 ERR_OVERLOADED = "overloaded"  # refused by an admission limit; the message starts with the limit's name
 ERR_REQUEST_TIMEOUT = "request_timeout"  # the request outlived its deadline and was aborted
+ERR_UNKNOWN_LORA_ADAPTER = "unknown_lora_adapter"  # lora_name names no adapter the engine serves (now)
 
 
 def to_json(obj: Struct) -> bytes:

@@ -19,3 +19,11 @@ def lora_adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) ->
         "mlp": make_random_adapter(tiny_llama, root / "mlp", seed=3, rank=2, alpha=16.0,
                                    targets=("gate_proj", "up_proj", "down_proj")),
     }
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny demo model (real BPE tokenizer, random weights): what the HTTP tests serve."""
+    from evenflow.frontend.demo_model import ensure_demo_model
+
+    return ensure_demo_model(tmp_path_factory.mktemp("demo") / "demo-model")

@@ -13,7 +13,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.types import Receive
 
-from evenflow.protocol import ERR_OVERLOADED, ERR_REQUEST_TIMEOUT, AdapterRef
+from evenflow.protocol import ERR_OVERLOADED, ERR_REQUEST_TIMEOUT, ERR_UNKNOWN_LORA_ADAPTER, AdapterRef
 
 from evenflow.frontend.lora_adapters import LoRAAdapters
 from evenflow.frontend.metrics import FrontendMetrics
@@ -107,6 +107,8 @@ def engine_error_to_api(exc: BaseException) -> APIError:
     message = getattr(exc, "message", "") or str(exc) or type(exc).__name__
     if code in ("invalid_request", "duplicate_request_id"):
         return APIError(400, message)
+    if code == ERR_UNKNOWN_LORA_ADAPTER:  # unloaded since this frontend last heard of it
+        return APIError(404, message, "model")
     if code == ERR_OVERLOADED:  # the engine's message starts with the limit's name
         return APIError(503, f"the engine is overloaded: {message}",
                         headers={"Retry-After": str(RETRY_AFTER_OVERLOADED_S)}, rejected=message.split(":")[0])

@@ -110,7 +110,8 @@ def read_adapter(path: str | Path, max_lora_rank: int, num_layers: int | None = 
         raise ValueError(f"{config_path}: r must be a positive int and lora_alpha a number")
     if rank > max_lora_rank:
         raise ValueError(f"LoRA adapter {str(path)!r} has rank {rank}, above --max-lora-rank {max_lora_rank}")
-    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
+    # layers_to_transform needs nothing: the tensor file holds the layers it adapts, the others are zero.
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
         if raw.get(key):
             raise ValueError(f"{config_path}: {key} is not supported")
     if raw.get("use_dora") or raw.get("bias", "none") != "none" or raw.get("fan_in_fan_out"):

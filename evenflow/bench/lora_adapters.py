@@ -51,8 +51,8 @@ def chat_ids(tokenizer: object, question: str) -> list[int]:
                                          add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
-def train_persona_adapter(out: Path, model_dir: Path = REAL_MODEL, steps: int = 200, rank: int = 8,
-                          lr: float = 2e-3, seed: int = 0, layers: int = 4, batch: int = 4,
+def train_persona_adapter(out: Path, model_dir: Path = REAL_MODEL, steps: int = 150, rank: int = 8,
+                          lr: float = 3e-3, seed: int = 0, layers: int = 2, batch: int = 2,
                           log_every: int = 0) -> Path:
     """Fine-tune a LoRA (q/v/o/down of the top ``layers`` layers, rank ``rank``) so that the model
     greets every question as a pirate; return ``out``.

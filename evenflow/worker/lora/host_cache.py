@@ -54,8 +54,10 @@ class HostAdapterCache:
     def get(self, ref: AdapterRef) -> HostAdapter:
         """The adapter's tensors, loading them now if they are not here (the slow path)."""
         self.collect()
-        if ref.identity in self._pending:
-            self.collect(wait=True)
+        future = self._pending.get(ref.identity)
+        if future is not None:  # a rank behind rank 0: wait for this load only
+            future.exception()
+            self.collect()
         adapter = self._cache.get(ref.identity)
         if adapter is None:
             adapter = self._load(ref)

@@ -51,7 +51,7 @@ def chat_ids(tokenizer: object, question: str) -> list[int]:
                                          add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
-def train_persona_adapter(out: Path, model_dir: Path = REAL_MODEL, steps: int = 150, rank: int = 8,
+def train_persona_adapter(out: Path, model_dir: Path = REAL_MODEL, steps: int = 60, rank: int = 8,
                           lr: float = 3e-3, seed: int = 0, layers: int = 2, batch: int = 2,
                           log_every: int = 0) -> Path:
     """Fine-tune a LoRA (q/v/o/down of the top ``layers`` layers, rank ``rank``) so that the model
@@ -59,7 +59,8 @@ def train_persona_adapter(out: Path, model_dir: Path = REAL_MODEL, steps: int = 
 
     The layers below the adapted ones are frozen, so their output is computed once per example and
     each step runs only the top layers and the vocabulary projection at the answer's positions:
-    a few hundred steps take about a minute of an idle 2-core CPU.
+    60 steps of 2 examples (the loss falls from 6 to 0.02 by step 40) take about a minute of an idle
+    2-core CPU.
     """
     import peft
     import torch

@@ -87,6 +87,16 @@ def _pin_to(cpus: set[int] | None) -> Callable[[], None] | None:
     return lambda: os.sched_setaffinity(0, cpus)
 
 
+def _answers(url: str) -> bool:
+    """Whether ``url`` answers 200 (a frontend is up and its engine-core answers)."""
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def serve_main(argv: Sequence[str]) -> int:
     args, engine_flags = serve_parser().parse_known_args(list(argv))
     if args.frontends < 1 or args.data_parallel_size < 1:
@@ -142,8 +152,9 @@ def serve_main(argv: Sequence[str]) -> int:
             cmd.append("--no-log-stats")  # one throughput log line per interval, not N copies
         procs.append(subprocess.Popen(cmd, env=env))
     where = ", ".join(f"{a} (pid {p.pid})" for a, p in zip(engine_addrs, engines))
-    print(f"evenflow: serving {served_name or model} on http://{args.host}:{port} with {args.frontends} "
-          f"frontend(s); engine-core(s) at {where}{note}", flush=True)
+    serving = (f"evenflow: serving {served_name or model} on http://{args.host}:{port} with {args.frontends} "
+               f"frontend(s); engine-core(s) at {where}{note}")
+    health = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{port}/health"
 
     stopping = False
 
@@ -154,14 +165,19 @@ def serve_main(argv: Sequence[str]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
+    announced = False
     try:
         while not stopping:
             dead = [p for p in procs if p.poll() is not None]
             if dead:
-                print(f"evenflow: process {dead[0].pid} ({' '.join(dead[0].args[2:4])}) exited with code "
-                      f"{dead[0].returncode}; stopping everything", file=sys.stderr, flush=True)
-                code = 1
+                if announced or dead[0].returncode != 2:  # 2: a refused flag, which the child named
+                    print(f"evenflow: process {dead[0].pid} ({' '.join(dead[0].args[2:4])}) exited with code "
+                          f"{dead[0].returncode}; stopping everything", file=sys.stderr, flush=True)
+                code = 1 if announced or dead[0].returncode != 2 else 2
                 break
+            if not announced and _answers(health):  # the engine is ready and a frontend serves it
+                print(serving, flush=True)
+                announced = True
             time.sleep(0.2)
     finally:
         # Frontends first (they drain and close their engine connections), then the engine-core.

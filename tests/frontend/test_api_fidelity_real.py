@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -161,3 +162,24 @@ def test_truncate_prompt_tokens_and_token_id_keys(real: Real, hf_tokenizer: Any)
 def test_prompt_logprobs_is_refused_by_name(real: Real) -> None:
     r = real.post("/v1/completions", prompt="Hi", max_tokens=2, prompt_logprobs=1)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_ascii_digit_regexes_keep_non_ascii_digits_out(real: Real) -> None:
+    """docs/structured_output.md's trap: ``\\d`` is any Unicode digit; ``(?-u:\\d)`` and ``[0-9]`` are ASCII."""
+    import llguidance
+
+    ll_tok = llguidance.LLTokenizer((REAL_MODEL / "tokenizer.json").read_text(), n_vocab=49152, eos_token=[2])
+    ids = [int(t) for t in httpx.post(real.url + "/tokenize", json={"prompt": "🯸٣1", "add_special_tokens": False},
+                                         timeout=30).json()["tokens"]]
+
+    def accepts(regex: str) -> bool:
+        matcher = llguidance.LLMatcher(ll_tok, llguidance.LLMatcher.grammar_from_regex(regex))
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    assert accepts(r"\d{3}") and not accepts(r"(?-u:\d){3}") and not accepts(r"[0-9]{3}")
+    phone = r"\((?-u:\d{3})\) (?-u:\d{3}-\d{4})"
+    msgs = [{"role": "user", "content": "Make up a phone number."}]
+    r = real.ok("/v1/chat/completions", messages=msgs, max_tokens=20, n=8, seed=0, temperature=1.0,
+                structured_outputs={"regex": phone})
+    texts = [c["message"]["content"] for c in r["choices"]]
+    assert all(re.fullmatch(r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}", t) for t in texts), texts

@@ -24,6 +24,7 @@ def test_serve_without_arguments_streams_a_completion(tmp_path: Path) -> None:
                   "--max-model-len", "256", "--num-kv-blocks", "64"], log, {"XDG_CACHE_HOME": str(tmp_path / "cache")})
     try:
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200, 180, [proc], [log])
+        wait_for(lambda: "evenflow: serving" in log.read_text(), 10, [proc], [log])  # said once /health answers
         banner = log.read_text()
         assert "RANDOM" in banner and f"http://127.0.0.1:{port}" in banner
         assert (tmp_path / "cache" / "evenflow" / "demo-model" / "tokenizer.json").exists()

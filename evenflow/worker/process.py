@@ -31,7 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from evenflow.protocol import (
-    EngineToWorker, InitKVCache, ModelRunnerOutput, SchedulerOutput, WorkerConfig, WorkerError,
+    EngineToWorker, InitKVCache, KVCacheReady, ModelRunnerOutput, SchedulerOutput, WorkerConfig, WorkerError,
     WorkerReady, WorkerShutdown,
 )
 from evenflow.protocol.link_auth import SECRET_ENV, derive_link_keys, secure_client
@@ -129,6 +129,7 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
                     push.send(encode(out), copy=False)
             elif isinstance(msg, InitKVCache):
                 runner.init_kv_cache(msg.num_kv_blocks)
+                push.send(encode(KVCacheReady(cfg.rank, msg.num_kv_blocks)))
                 # Start-up leaves millions of long-lived objects (torch, the model) that every full
                 # garbage collection would rescan: such collections took 46-91 ms here at start-up.
                 gc.freeze()

@@ -39,6 +39,7 @@ from evenflow.protocol.link_auth import SECRET_ENV, derive_link_keys, secure_cli
 from evenflow.protocol.lifeline import die_with_parent
 
 from evenflow.worker.fault_injection import FaultInjector
+from evenflow.worker.omp_env import quiet_omp_waits
 
 log = logging.getLogger("evenflow.worker.process")
 
@@ -151,7 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="WorkerConfig as JSON")
     args = parser.parse_args(argv)
     cfg = msgspec.json.decode(args.config, type=WorkerConfig)
+    quiet = quiet_omp_waits()  # before torch loads the OpenMP runtime (serve imports it)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{cfg.rank} %(levelname)s %(message)s")
+    if quiet and cfg.rank == 0:
+        log.info("OpenMP threads sleep between regions (%s): spinning collapses when a core is shared",
+                 " ".join(f"{k}={v}" for k, v in quiet.items()))
     # Ctrl-C in a terminal (or a SIGTERM to the process group) reaches every process: the
     # engine-core decides when we stop (WorkerShutdown), and we exit by ourselves if it dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                         "OpenMP's default spinning, GOMP_SPINCOUNT=300000, as before worker/omp_env.py)")
     args = p.parse_args(argv)
     common: dict[str, object] = {"max_model_len": 1024, "max_num_batched_tokens": args.max_num_batched_tokens,
-                                 "kv_cache_memory": str(1 << 30)}
+                                 "kv_cache_memory": str(1 << 30), "client_timeout": 30.0}
     settings = [Setting(f"worker-threads {t}", {} if t.startswith("auto") else {"worker_threads": int(t)},
                         {"GOMP_SPINCOUNT": "300000"} if t == "auto-spin" else {})
                 for t in args.threads.split(",")]

@@ -1,5 +1,5 @@
-"""The engine-core reports ready only once every worker holds its whole KV cache in memory, and its
-log says why the cache has that size."""
+"""What every worker has when the engine-core reports ready: its whole KV cache in memory (the log
+says why that size), and OpenMP threads that sleep rather than spin between regions."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ def test_the_kv_cache_is_resident_before_ready(tiny_llama: Path, tmp_path: Path)
         assert rss >= CACHE_BYTES, f"workers hold {rss / 2**20:.0f} MiB at ready, the cache alone is 384 MiB"
         assert eng.ready is not None and eng.ready.num_kv_blocks > 0
         assert "KV cache of rank 0:" in eng.log() and "--kv-cache-memory 0.38 GiB" in eng.log()
+        env = [psutil.Process(pid).environ() for pid in eng.worker_pids]
+        assert env and all(e.get("OMP_WAIT_POLICY") == "PASSIVE" and e.get("KMP_BLOCKTIME") == "0" for e in env)
     finally:
         eng.stop()
 

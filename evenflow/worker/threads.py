@@ -12,8 +12,10 @@ A CPU worker shares its cores with the engine-core, the frontends and their sock
 * All cores is a bet that they are free. When another process keeps a core busy, each of the
   step's parallel regions waits a scheduler time slice for the descheduled thread: in one run with
   a busy-looping process beside the tiny model, 2-thread steps made p99 ITL 1.27 s against 61 ms
-  on 1 thread. So ``ThreadSetter`` watches what long steps cost and leaves a core free for a
-  while when one costs far more than usual (see its docstring).
+  on 1 thread. Most of that was OpenMP's spinning (idle threads burning the slices the late one
+  needed): workers now sleep between regions (``evenflow/worker/omp_env.py``). What is left, a
+  region waiting for a thread that shares its core, ``ThreadSetter`` handles: it watches what long
+  steps cost and leaves a core free for a while when one costs far more than usual.
 """
 
 from __future__ import annotations

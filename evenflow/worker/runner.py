@@ -35,7 +35,7 @@ from evenflow.worker.sampler import Sampler
 from evenflow.worker.sampling_metadata import SamplingMetadata
 from evenflow.worker.spec_decode import GeneratorRewind, NgramDrafter, accept_drafts, emitted_rows
 from evenflow.worker.synthetic_steps import SyntheticStep, heaviest_sampling, synthetic_step, warmup_shapes
-from evenflow.worker.threads import ThreadSetter, plan_step_threads, step_flops
+from evenflow.worker.threads import ThreadSetter, plan_step_threads, process_run_queue_wait, step_flops
 
 log = logging.getLogger("evenflow.worker.runner")
 
@@ -85,7 +85,8 @@ class ModelRunner:
         self.model = build_model(self.model_config, self.tp, self.torch_dtype, self.device, config.max_model_len)
         self.num_params = sum(p.numel() for p in self.model.parameters())  # this rank's shard
         self.threads = ThreadSetter(plan_step_threads(self.device, config.world_size, config.num_threads),
-                                    self.num_params * torch.empty(0, dtype=self.torch_dtype).element_size())
+                                    self.num_params * torch.empty(0, dtype=self.torch_dtype).element_size(),
+                                    process_run_queue_wait)
         load_weights(self.model, config.model, config.load_format, config.seed)
         self.model.eval()
         cfg = self.model_config

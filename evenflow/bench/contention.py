@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated --worker-threads values (auto: the plan; auto-spin: the plan with "
                         "OpenMP's default spinning, GOMP_SPINCOUNT=300000, as before worker/omp_env.py)")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so each LLM stops its engine-core
     common: dict[str, object] = {"max_model_len": 1024, "max_num_batched_tokens": args.max_num_batched_tokens,
                                  "kv_cache_memory": str(1 << 30), "client_timeout": 30.0}
     settings = [Setting(f"worker-threads {t}", {} if t.startswith("auto") else {"worker_threads": int(t)},
@@ -98,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.requests} requests x {args.max_tokens} tokens, budget {args.max_num_batched_tokens}, "
           f"busy process {'pinned to CPU ' + str(args.pin) if args.pin is not None else 'not pinned'}, "
           f"{os.cpu_count()} CPUs, {args.rounds} rounds alternating; medians")
-    print("| worker threads | alone s | busy s | busy / alone |\n|---|---|---|---|")
+    print("| worker threads | alone s (median) | busy s (median) | busy / alone, per round: median (min-max) |")
+    print("|---|---|---|---|")
     for s in settings:
         alone, busy = statistics.median(s.alone), statistics.median(s.busy)
-        print(f"| {s.name.removeprefix('worker-threads ')} | {alone:.2f} | {busy:.2f} | {busy / alone:.2f}x |")
+        ratios = [b / a for a, b in zip(s.alone, s.busy)]  # each round's two batches ran back to back
+        print(f"| {s.name.removeprefix('worker-threads ')} | {alone:.2f} | {busy:.2f} | "
+              f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
     return 0

@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ready = engine.start()
     except (WorkerFailure, ValueError, zmq.ZMQError) as e:  # ZMQError: e.g. --listen address in use
         log.error("start-up failed: %s", e)
-        engine.workers.shutdown(timeout=1.0)
+        engine.executor.shutdown(timeout=1.0)
         return 1
     log.info("engine-core %s serving %s on %s (start-up %.1f s, overlap %s)", ready.engine_id,
              ready.model_name, cfg.listen, time.monotonic() - t0, "on" if cfg.async_scheduling else "off")

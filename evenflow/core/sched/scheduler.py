@@ -328,7 +328,9 @@ class Scheduler:
     def _grammar_ready(self, request: Request) -> bool:
         """Whether a WAITING_FOR_FSM request's grammar compiled (it becomes WAITING); a failed
         compile finishes it (its client hears why: ``take_grammar_failures``)."""
-        problem = self.structured_output.resolve(request)  # type: ignore[union-attr]
+        grammars = self.structured_output
+        assert grammars is not None  # add_request admits grammars only with a manager
+        problem = grammars.resolve(request)
         if problem:
             self._finish(request, RequestStatus.FINISHED_ERROR)
             self._grammar_failures.append(Error(ERR_INVALID_REQUEST, problem, request.request_id))
@@ -404,8 +406,8 @@ class Scheduler:
                 finished_status = request.check_stop(token_id, self.config.max_model_len)
                 if finished_status is not None:
                     break
-            if request.grammar is not None:
-                self.structured_output.accept(request, sampled[:num_accepted])  # type: ignore[union-attr]
+            if request.grammar is not None and self.structured_output is not None:
+                self.structured_output.accept(request, sampled[:num_accepted])
             self._num_generation_tokens += num_accepted
             if finished_status is not None:
                 any_running_finished |= request.status == RequestStatus.RUNNING

@@ -45,9 +45,9 @@ def check_invariants(scheduler: Scheduler, output: SchedulerOutput) -> None:
     assert output.total_num_scheduled_tokens <= config.max_num_batched_tokens
     assert all(num > 0 for num in output.num_scheduled_tokens.values()), output.num_scheduled_tokens
     spec = config.speculative_config
-    for req_id, slots in output.scheduled_spec_decode_tokens.items():
-        assert spec is not None and 0 < len(slots) <= spec.num_speculative_tokens
-        assert output.num_scheduled_tokens[req_id] > len(slots)  # drafts ride on a sampling token
+    for req_id, num_slots in output.num_draft_slots.items():
+        assert spec is not None and 0 < num_slots <= spec.num_speculative_tokens
+        assert output.num_scheduled_tokens[req_id] > num_slots  # drafts ride on a sampling token
     assert scheduler.num_running <= config.max_num_seqs
     for req_id in output.num_scheduled_tokens:
         request = scheduler.requests[req_id]

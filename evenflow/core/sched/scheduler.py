@@ -198,7 +198,7 @@ class Scheduler:
         more_blocks = self.kv_cache_manager.allocate_slots(request, num_new + num_slots)
         if more_blocks is None:
             return 0, []
-        step.spec_decode_tokens[request.request_id] = [-1] * num_slots  # the worker fills them (spec_decode.py)
+        step.num_draft_slots[request.request_id] = num_slots  # the worker fills them (spec_decode.py)
         return num_slots, more_blocks
 
     def _schedule_waiting(self, step: StepPlan) -> None:
@@ -286,7 +286,7 @@ class Scheduler:
             scheduled_cached_reqs=step.cached_reqs,
             num_scheduled_tokens=step.num_scheduled_tokens,
             total_num_scheduled_tokens=total,
-            scheduled_spec_decode_tokens=step.spec_decode_tokens,
+            num_draft_slots=step.num_draft_slots,
             finished_req_ids=finished_req_ids,
             preempted_req_ids=step.preempted_req_ids,
         )
@@ -364,7 +364,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids.clear()
+        request.num_proposed_drafts = 0
         self.waiting.add_front(request)
         self._num_preemptions += 1
 
@@ -378,9 +378,9 @@ class Scheduler:
         """
         start = time.perf_counter()
         step_id = scheduler_output.step_id
-        drafts_by_req = scheduler_output.scheduled_spec_decode_tokens
+        slots_by_req = scheduler_output.num_draft_slots
         logprobs = model_runner_output.logprobs
-        proposals = model_runner_output.spec_token_ids
+        proposals = model_runner_output.num_proposed_drafts
         num_verified = model_runner_output.num_draft_tokens
         requests = self.requests
         outputs: list[RequestOutput] = []
@@ -391,7 +391,7 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None or not 0 <= request.first_scheduled_step <= step_id:
                 continue  # finished since, or the id now names a newer request
-            num_slots = len(drafts_by_req.get(req_id, ())) if drafts_by_req else 0
+            num_slots = slots_by_req.get(req_id, 0) if slots_by_req else 0
             request.num_output_placeholders -= 1 + num_slots
             if num_slots and request.status == RequestStatus.RUNNING:
                 # Step back over rejected drafts and unfilled slots; their KV is overwritten later.
@@ -414,9 +414,9 @@ class Scheduler:
                 self._finish(request, finished_status)
             elif proposals is not None and request.num_output_placeholders == 0 and not request.use_structured_output:
                 # Drafts extend the last known token; with a step still in flight they would not.
-                request.spec_token_ids = list(proposals[i])
-            elif request.spec_token_ids:
-                request.spec_token_ids = []
+                request.num_proposed_drafts = proposals[i]
+            else:
+                request.num_proposed_drafts = 0
             token_logprobs = logprobs[i] if logprobs is not None else None
             outputs.append(
                 RequestOutput(

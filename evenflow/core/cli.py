@@ -26,7 +26,7 @@ def config_and_model(argv: Sequence[str] | None) -> tuple[EngineConfig, ModelInf
     info = read_model_info(cfg.model, cfg.served_model_name)
     if cfg.max_model_len is not None and cfg.max_model_len > info.max_model_len:
         raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's limit "
-                          f"{info.max_model_len} (from {info.model_path}/config.json)")
+                          f"{info.max_model_len} (from {info.model_path})")
     return cfg, info
 
 

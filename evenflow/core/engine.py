@@ -12,7 +12,6 @@ import logging
 import queue
 import time
 import uuid
-from pathlib import Path
 
 import zmq
 
@@ -22,6 +21,7 @@ from evenflow.protocol import (
     UtilityResult,
 )
 from evenflow.protocol.executor import Executor
+from evenflow.protocol.gguf_tokenizer import tokenizer_json_source
 
 from evenflow.core.admission import AdmissionLimits
 from evenflow.core.component_configs import scheduler_config, worker_template
@@ -102,7 +102,7 @@ class EngineCore:
         sched_cfg.validate()
         self.executor.init_kv_cache(num_blocks)
         # A finished grammar compile wakes an idle loop through the inbox (None: no message).
-        grammars = StructuredOutputManager(Path(self.info.model_path) / "tokenizer.json", self.info.vocab_size,
+        grammars = StructuredOutputManager(tokenizer_json_source(self.info.model_path), self.info.vocab_size,
                                            self.info.eos_token_ids, wake=lambda: self.link.inbox.put(None))
         grammars.prepare()
         scheduler = Scheduler(sched_cfg, grammars)

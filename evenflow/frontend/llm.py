@@ -107,10 +107,10 @@ class LLM:
                  chat_template: str | None = None, startup_timeout: float = 600.0, **engine_args: Any) -> None:
         from evenflow.frontend.clients.blocking import BlockingEngineClient
 
-        if model is None:
-            from evenflow.frontend.demo_model import ensure_demo_model
+        from evenflow.frontend.default_model import choose_demo, is_demo_request
 
-            model = ensure_demo_model()
+        if is_demo_request(None if model is None else str(model)):
+            model = choose_demo(None if model is None else str(model)).model
         self.model = str(model)
         self._tmpdir = tempfile.mkdtemp(prefix="evenflow-llm-")
         self.address = f"ipc://{self._tmpdir}/engine.sock"

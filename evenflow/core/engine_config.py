@@ -11,6 +11,7 @@ from typing import Sequence
 
 from evenflow.protocol import MAX_FRAME_BYTES, SpeculativeConfig, parse_speculative_config
 from evenflow.protocol.curve import is_loopback
+from evenflow.protocol.liveness import DEFAULT_SILENCE_TIMEOUT_S
 
 from evenflow.core.sched.config import DEFAULT_MAX_NUM_SEQS, SCHEDULING_POLICIES, ConfigError, check_prefill_limits, check_scheduler_limits
 
@@ -47,7 +48,9 @@ class EngineConfig:
     load_format: str = "auto"
     max_frame_bytes: int = MAX_FRAME_BYTES
     worker_start_timeout: float = 600.0
-    client_timeout: float = 3.0  # a frontend silent this long is dropped and its requests aborted
+    # A frontend silent this long (of the engine's running time) is dropped and its requests aborted;
+    # a frontend that died is noticed by its closed connection instead, in milliseconds.
+    client_timeout: float = DEFAULT_SILENCE_TIMEOUT_S
     worker_threads: int | None = None
     # Reliability (admission limits, deadlines): None / 0 = off.
     max_num_queued_reqs: int | None = None
@@ -185,7 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--worker-start-timeout", type=float, default=d.worker_start_timeout,
       help="seconds to wait for every worker's handshake")
     a("--client-timeout", type=float, default=d.client_timeout,
-      help="seconds of silence after which a frontend is dropped and its requests aborted")
+      help="seconds of silence (of this process's running time: its own pauses do not count) after which a "
+           "frontend is dropped and its requests aborted; a frontend that exits is noticed at once by its "
+           "closed connection")
     a("--worker-threads", type=int, default=None,
       help="torch threads per worker for every step (default on CPU: a step estimated to take 15 ms or more "
            "on one thread uses every core, a shorter one leaves one free; divided by tensor-parallel-size)")

@@ -6,6 +6,7 @@ import argparse
 import os
 
 from evenflow.frontend.api.context import DEFAULT_MAX_BODY_BYTES
+from evenflow.frontend.clients.engine_client import DEAD_AFTER_S
 from evenflow.frontend.clients.router import ROUTING_POLICIES, RoutingConfig
 
 
@@ -20,6 +21,10 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the engine's)")
     p.add_argument("--chat-template", default=None, help="jinja2 chat template file (overrides the model's)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the engine's model folder)")
+    p.add_argument("--engine-timeout", type=_positive, default=DEAD_AFTER_S,
+                   help="seconds of engine-core silence (of this process's running time: its own pauses do not "
+                        "count) after which its requests fail; an engine-core that exits is noticed at once by "
+                        "its closed connection")
     add_routing_flags(p)
 
 
@@ -38,3 +43,10 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
 
 def routing_config(args: argparse.Namespace) -> RoutingConfig:
     return RoutingConfig(args.routing_policy, args.routing_balance_abs_threshold, args.routing_balance_rel_threshold)
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value

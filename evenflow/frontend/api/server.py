@@ -59,6 +59,7 @@ class ServerConfig:
     # Data parallel: every engine-core's address (more than one: requests are routed among them).
     engine_addresses: list[str] | None = None
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    engine_timeout: float | None = None  # None: DEAD_AFTER_S (evenflow/frontend/clients/engine_client.py)
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -117,13 +118,15 @@ async def _models(ctx: ServingContext, request: Request) -> Response:
 
 
 async def _health(ctx: ServingContext, request: Request) -> Response:
-    try:
-        result = await asyncio.wait_for(ctx.client.call_utility("get_stats"), timeout=5.0)
-    except Exception as e:
-        return APIError(503, f"the engine does not answer: {e!r}").to_response()
-    if not getattr(result, "ok", False):
-        return APIError(503, f"the engine answered with an error: {getattr(result, 'message', '')}").to_response()
-    return Response(status_code=200)
+    """At once, from what the client already knows: 200 while any engine-core behind this frontend
+    serves (a long step or a paused worker is not ill health; a closed connection or a silence past
+    --engine-timeout is), 503 with the cause otherwise. Asking the engine would wait on its step."""
+    if ctx.client.connected:
+        return Response(status_code=200)
+    failure = getattr(ctx.client, "failure", None)
+    cause = failure.message if failure is not None else "no engine-core is connected"
+    return APIError(503, f"no engine-core can serve: {cause}",
+                    headers={"Retry-After": "5"}).to_response()
 
 
 async def _tokenize(ctx: ServingContext, request: Request) -> Response:
@@ -204,10 +207,12 @@ def _engine_client(config: ServerConfig) -> Any:
     if len(addresses) > 1:
         from evenflow.frontend.clients.data_parallel import DataParallelClient
 
-        return DataParallelClient(addresses, name, config.routing, curve_keys=config.curve_keys)
+        return DataParallelClient(addresses, name, config.routing, curve_keys=config.curve_keys,
+                                  engine_timeout=config.engine_timeout)
     from evenflow.frontend.clients.engine_client import EngineClient
 
-    return EngineClient(addresses[0], client_name=name, curve_keys=config.curve_keys)
+    return EngineClient(addresses[0], client_name=name, curve_keys=config.curve_keys,
+                        engine_timeout=config.engine_timeout)
 
 
 def build_app(config: ServerConfig, context: Callable[[], Awaitable[ServingContext]] | None = None) -> Starlette:

@@ -137,7 +137,9 @@ def serve_main(argv: Sequence[str]) -> int:
                "--engine-timeout", str(args.engine_timeout)]
         for addr in engine_addrs:
             cmd += ["--engine", addr]
-        for flag in ("served_model_name", "chat_template", "tokenizer", "max_request_body_bytes"):
+        for flag in ("served_model_name", "chat_template", "tokenizer", "max_request_body_bytes", "header_timeout",
+                     "timeout_keep_alive", "h11_max_incomplete_event_size", "h11_max_header_count",
+                     "max_connections"):
             value = getattr(args, flag)
             if value:
                 cmd += ["--" + flag.replace("_", "-"), str(value)]

@@ -56,6 +56,10 @@ def test_killed_frontend_and_engine_core_are_restarted_while_serving(demo_model_
     try:
         wait_for(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, 180, [proc], [log])
         wait_for(lambda: len(_children(proc.pid, "evenflow.frontend.cli")) == 2, 60, [proc], [log])
+        # The engine-core link is an ipc socket in a folder only this user can enter (no API key there).
+        engine_cmd = psutil.Process(_children(proc.pid, "evenflow.core.cli")[0]).cmdline()
+        address = engine_cmd[engine_cmd.index("--listen") + 1]
+        assert address.startswith("ipc://") and os.stat(os.path.dirname(address[6:])).st_mode & 0o077 == 0
         victim = _children(proc.pid, "frontend-0")[0]
         # Streams land on both frontends (the kernel spreads connections); then frontend-0 is killed.
         with concurrent.futures.ThreadPoolExecutor(8) as pool:

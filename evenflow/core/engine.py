@@ -40,6 +40,7 @@ from evenflow.core.step_timing import StepTiming
 from evenflow.core.sched.scheduler import Scheduler
 from evenflow.core.multi_node import NodeLayout
 from evenflow.core.sched.structured_output import StructuredOutputManager
+from evenflow.core.step_watchdog import StepTimeout, StepWatchdog
 from evenflow.core.workers import WorkerFailure, WorkerGroup, worker_template
 
 log = logging.getLogger("evenflow.core.engine")
@@ -108,6 +109,8 @@ class EngineCore:
                                            self.info.eos_token_ids, wake=lambda: self.link.inbox.put(None))  # type: ignore[union-attr]
         grammars.prepare()
         self.scheduler = Scheduler(sched_cfg, grammars)
+        controller = self.scheduler.budget_controller
+        self._watchdog = StepWatchdog(self.cfg.step_timeout, None if controller is None else controller.predicted_s)
         if self.cfg.enable_prefix_caching:
             self._kv_events = self.scheduler.kv_cache_manager.pool.events = KVEventLog()
         ready = Ready(PROTOCOL_VERSION, self.info.model_name, self.info.model_path, self.max_model_len,
@@ -141,7 +144,7 @@ class EngineCore:
                 progressed = self._step()
             self._shutdown_gracefully(self._stop_reason)
             return 0
-        except WorkerFailure as e:
+        except (WorkerFailure, StepTimeout) as e:
             log.error("%s", e)
             self._fail_everyone(Error(ERR_WORKER_DIED, str(e), fatal=True))
             return 1
@@ -188,7 +191,8 @@ class EngineCore:
                 self._pending_preempted.extend(so.preempted_req_ids)
         if self._in_flight and (len(self._in_flight) >= self._depth or not scheduled):
             item = self._in_flight.popleft()
-            mro = self.workers.recv_output(item.so.step_id)
+            mro = self.workers.recv_output(item.so.step_id, self._watchdog)
+            self._watchdog.done(item.so.step_id)
             if item.after_idle:
                 mro.wait_s = 0.0  # the clients' silence, not part of the step (see StepTiming)
             outputs = sched.update_from_output(item.so, mro)
@@ -205,6 +209,7 @@ class EngineCore:
             so.preempted_req_ids = self._pending_preempted + list(so.preempted_req_ids)
             self._pending_preempted = []
         self.workers.send_step(so)
+        self._watchdog.sent(so)
         self._in_flight.append(_InFlight(so, after_idle=self._was_idle and not self._in_flight))
         self._was_idle = False
 

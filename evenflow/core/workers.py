@@ -37,6 +37,8 @@ from evenflow.protocol.lifeline import child_env
 from evenflow.core.engine_config import EngineConfig
 from evenflow.core.multi_node import NodeLayout, SecuredLinks
 
+from evenflow.core.step_watchdog import StepWatchdog
+
 log = logging.getLogger("evenflow.core.workers")
 
 _POLL_SLICE_MS = 100
@@ -129,8 +131,9 @@ class WorkerGroup:
         """Broadcast one step to every rank (non-blocking: the PUB queue is unbounded)."""
         self._send(so)
 
-    def recv_output(self, step_id: int) -> ModelRunnerOutput:
-        """Wait for rank 0's result of ``step_id``; raise WorkerFailure if any rank fails first."""
+    def recv_output(self, step_id: int, watchdog: StepWatchdog | None = None) -> ModelRunnerOutput:
+        """Wait for rank 0's result of ``step_id``; raise WorkerFailure if any rank fails first (and
+        StepTimeout when ``watchdog`` finds the step past --step-timeout)."""
         while True:
             if self._in.poll(_POLL_SLICE_MS):
                 msg = self._decode(self._in.recv())
@@ -143,6 +146,8 @@ class WorkerGroup:
                     self._raise_failure()
             else:
                 self.check_alive()
+                if watchdog is not None:
+                    watchdog.check(step_id)
 
     def check_alive(self) -> None:
         """Raise WorkerFailure when any rank here has exited, or a host with ranks is lost."""

@@ -144,3 +144,34 @@ def test_data_parallel_kill_resends_requests_without_output_to_the_other_engine(
     finally:
         for e in engines:
             e.stop()
+
+
+def test_paused_worker_is_a_slow_step_then_past_the_step_timeout_a_hang(tiny_llama: Path, tmp_path: Path) -> None:
+    engine = start_engine(tiny_llama, tmp_path, *FLAGS, "--step-timeout", "4")
+    worker = engine.worker_pids[0]
+    reference = reference_greedy(tiny_llama, [4, 4, 2], 60)
+
+    async def main() -> None:
+        client = EngineClient(engine.address, "watched")
+        await client.connect(timeout=30)
+        tokens: list[int] = []
+        async for out in client.generate("slow", [4, 4, 2], SamplingParams(max_tokens=60, **GREEDY)):
+            if len(tokens) == 10:
+                os.kill(worker, signal.SIGSTOP)  # 2 s: a slow step, under the limit
+                await asyncio.sleep(2.0)
+                os.kill(worker, signal.SIGCONT)
+            tokens += out.new_token_ids
+        assert tokens == reference
+        with pytest.raises(EngineError) as info:
+            async for _ in client.generate("hung", [4, 4, 2], SamplingParams(max_tokens=400, **GREEDY)):
+                os.kill(worker, signal.SIGSTOP)  # for good: past --step-timeout
+        assert info.value.code == "worker_died" and "--step-timeout 4 s" in info.value.message
+        await client.close()
+
+    try:
+        asyncio.run(main())
+        assert engine.proc.wait(30) == 1
+        log = engine.log()
+        assert "predicted" in log and "tokens of 1 requests" in log  # the slow step, with its shape
+    finally:
+        engine.stop()

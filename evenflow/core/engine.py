@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import zmq
 
 from evenflow.protocol import (
-    ERR_DUPLICATE_ID, ERR_ENGINE_SHUTDOWN, ERR_INVALID_REQUEST, ERR_OVERLOADED, ERR_REQUEST_TIMEOUT, ERR_WORKER_DIED, PROTOCOL_VERSION, Abort, AddRequest, Error,
+    ERR_DUPLICATE_ID, ERR_ENGINE_SHUTDOWN, ERR_INVALID_REQUEST, ERR_OVERLOADED, ERR_REQUEST_TIMEOUT, ERR_WORKER_DIED, PROTOCOL_VERSION, Abort, AddRequest, Error, Hold,
     ModelRunnerOutput, Outputs, Ready, RequestOutput, SchedulerOutput, SchedulerStats, UtilityCall,
     UtilityResult, WorkerConfig,
 )
@@ -252,6 +252,9 @@ class EngineCore:
         msg = item.msg
         if isinstance(msg, AddRequest):
             self._add_request(item.identity, item.client_index, msg)
+        elif isinstance(msg, Hold):
+            self.scheduler.hold_requests(  # type: ignore[union-attr]
+                (RequestRouter.engine_id(item.client_index, rid) for rid in msg.request_ids), msg.hold)
         elif isinstance(msg, Abort):
             eids = [eid for rid in msg.request_ids
                     if (eid := RequestRouter.engine_id(item.client_index, rid)) in self._router]

@@ -270,7 +270,7 @@ class FrontendLink:
                 self._reply(router, identity, Error(ERR_INVALID_REQUEST, problem.message, msg.request_id))
             else:
                 self.inbox.put(ClientMessage(identity, client.index, msg))
-        else:  # Abort, UtilityCall
+        else:  # Abort, Hold, UtilityCall
             self.inbox.put(ClientMessage(identity, client.index, msg))
 
     def _bad(self, router: zmq.Socket, identity: bytes, reason: str) -> None:

@@ -7,6 +7,7 @@ import os
 
 from evenflow.frontend.api.context import DEFAULT_MAX_BODY_BYTES
 from evenflow.frontend.api.http_guard import HttpLimits
+from evenflow.frontend.clients.backpressure import DEFAULT_STUCK_READER_TIMEOUT_S
 from evenflow.frontend.clients.engine_client import DEAD_AFTER_S
 from evenflow.frontend.clients.router import ROUTING_POLICIES, RoutingConfig
 
@@ -26,6 +27,9 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds of engine-core silence (of this process's running time: its own pauses do not "
                         "count) after which its requests fail; an engine-core that exits is noticed at once by "
                         "its closed connection")
+    p.add_argument("--stuck-reader-timeout", type=_positive, default=DEFAULT_STUCK_READER_TIMEOUT_S,
+                   help="seconds a request may stay held because its client reads none of its output (the engine "
+                        "generates nothing for it meanwhile) before it is aborted and its KV cache freed")
     add_http_limit_flags(p)
     add_routing_flags(p)
 

@@ -134,7 +134,7 @@ def serve_main(argv: Sequence[str]) -> int:
                "--frontend-name", f"frontend-{i}", "--routing-policy", args.routing_policy,
                "--routing-balance-abs-threshold", str(args.routing_balance_abs_threshold),
                "--routing-balance-rel-threshold", str(args.routing_balance_rel_threshold),
-               "--engine-timeout", str(args.engine_timeout)]
+               "--engine-timeout", str(args.engine_timeout), "--stuck-reader-timeout", str(args.stuck_reader_timeout)]
         for addr in engine_addrs:
             cmd += ["--engine", addr]
         for flag in ("served_model_name", "chat_template", "tokenizer", "max_request_body_bytes", "header_timeout",

@@ -32,6 +32,7 @@ from evenflow.frontend.api.completions import create_completion
 from evenflow.frontend.api.context import DEFAULT_MAX_BODY_BYTES, ServingContext, decode_body, read_body, request_timeout
 from evenflow.frontend.api.errors import APIError, bad_request
 from evenflow.frontend.api.http_guard import HttpLimits, guarded_protocol
+from evenflow.frontend.clients.backpressure import DEFAULT_STUCK_READER_TIMEOUT_S
 from evenflow.frontend.api.openai import DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, encode_json
 from evenflow.frontend.api.prepare import CHARS_PER_TOKEN, chat_prompt_async, off_loop_if_large
 from evenflow.frontend.api.sse import ClientDisconnected
@@ -62,6 +63,7 @@ class ServerConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     engine_timeout: float | None = None  # None: DEAD_AFTER_S (evenflow/frontend/clients/engine_client.py)
     http_limits: HttpLimits = field(default_factory=HttpLimits)
+    stuck_reader_timeout: float = DEFAULT_STUCK_READER_TIMEOUT_S
     timeout_keep_alive: float = 5.0  # uvicorn's: an idle kept-alive connection is closed after this
 
 
@@ -220,11 +222,11 @@ def _engine_client(config: ServerConfig) -> Any:
         from evenflow.frontend.clients.data_parallel import DataParallelClient
 
         return DataParallelClient(addresses, name, config.routing, curve_keys=config.curve_keys,
-                                  engine_timeout=config.engine_timeout)
+                                  engine_timeout=config.engine_timeout, stuck_reader_timeout=config.stuck_reader_timeout)
     from evenflow.frontend.clients.engine_client import EngineClient
 
     return EngineClient(addresses[0], client_name=name, curve_keys=config.curve_keys,
-                        engine_timeout=config.engine_timeout)
+                        engine_timeout=config.engine_timeout, stuck_reader_timeout=config.stuck_reader_timeout)
 
 
 def build_app(config: ServerConfig, context: Callable[[], Awaitable[ServingContext]] | None = None) -> Starlette:

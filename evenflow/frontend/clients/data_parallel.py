@@ -20,6 +20,7 @@ from evenflow.protocol import (
 )
 from evenflow.protocol.block_hash import extend_block_hashes
 
+from evenflow.frontend.clients.backpressure import DEFAULT_STUCK_READER_TIMEOUT_S
 from evenflow.frontend.clients.engine_client import EngineClient
 from evenflow.frontend.clients.errors import ERR_ENGINE_DEAD, EngineError
 from evenflow.frontend.clients.router import Decision, Router, RoutingConfig
@@ -51,14 +52,15 @@ class DataParallelClient:
     """Async client of N engine-cores serving the same model; duck-types EngineClient."""
 
     def __init__(self, addresses: list[str], client_name: str = "", routing: RoutingConfig | None = None,
-                 curve_keys: str | None = None, engine_timeout: float | None = None) -> None:
+                 curve_keys: str | None = None, engine_timeout: float | None = None,
+                 stuck_reader_timeout: float = DEFAULT_STUCK_READER_TIMEOUT_S) -> None:
         if len(addresses) < 1 or len(set(addresses)) != len(addresses):
             raise ValueError(f"give each engine-core address once, got {addresses}")
         self.addresses = list(addresses)
         self.routing = routing or RoutingConfig()
         self.routing.validate()
-        self.clients = [EngineClient(a, client_name, curve_keys=curve_keys, engine_timeout=engine_timeout)
-                        for a in addresses]
+        self.clients = [EngineClient(a, client_name, curve_keys=curve_keys, engine_timeout=engine_timeout,
+                                     stuck_reader_timeout=stuck_reader_timeout) for a in addresses]
         self.router: Router | None = None
         self._owner: dict[str, int] = {}  # live request id -> engine index
         self._engine_ids: list[str] = []  # each engine's id at its latest Ready (a change = a restart)

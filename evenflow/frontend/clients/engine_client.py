@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 import zmq
@@ -27,7 +27,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from evenflow.protocol import (
-    ERR_DUPLICATE_ID, ERR_INVALID_REQUEST, ERR_NOT_READY, ERR_UNKNOWN_METHOD, PROTOCOL_VERSION, Abort, AddRequest,
+    ERR_DUPLICATE_ID, ERR_INVALID_REQUEST, ERR_NOT_READY, ERR_REQUEST_TIMEOUT, ERR_UNKNOWN_METHOD, PROTOCOL_VERSION, Abort,
+    AddRequest, Hold,
     MAX_FRAME_BYTES, Codec, DecodeError, EngineToFrontend, Error, Heartbeat, Hello, Outputs, Ready, RequestOutput, SamplingParams,
     SchedulerStats, UtilityCall, UtilityResult,
 )
@@ -35,6 +36,9 @@ from evenflow.protocol import (
 from evenflow.protocol.curve import connect_curve
 from evenflow.protocol.liveness import DEFAULT_SILENCE_TIMEOUT_S, RunningClock
 
+from evenflow.frontend.clients.backpressure import (
+    DEFAULT_STUCK_READER_TIMEOUT_S, ReaderState, is_stuck, should_hold, should_release,
+)
 from evenflow.frontend.clients.errors import ERR_CLOSED, ERR_CONNECT_TIMEOUT, ERR_ENGINE_DEAD, EngineError
 
 # (BlockingEngineClient is importable from here too: see __getattr__ below.)
@@ -67,19 +71,23 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | EngineError]
     frame: bytes
     got_output: bool = False
+    reader: ReaderState = field(default_factory=ReaderState)  # backpressure.py
 
 
 class EngineClient:
     """Async client of one engine-core over a DEALER socket."""
 
     def __init__(self, address: str, client_name: str = "", curve_keys: str | None = None,
-                 engine_timeout: float | None = None) -> None:
+                 engine_timeout: float | None = None,
+                 stuck_reader_timeout: float = DEFAULT_STUCK_READER_TIMEOUT_S) -> None:
         self.address = address
         self.client_name = client_name
         # Silence (of our running time) after which the engine counts as hung or unreachable.
         self.engine_timeout = engine_timeout if engine_timeout is not None else DEAD_AFTER_S
         if self.engine_timeout <= 0:
             raise ValueError(f"engine_timeout must be positive, got {self.engine_timeout}")
+        self.stuck_reader_timeout = stuck_reader_timeout  # a request held this long is aborted
+        self.holds = 0  # hold messages sent (backpressure), for tests and logs
         self.curve_keys = curve_keys  # a key folder: CURVE-encrypted, authenticated link (evenflow/protocol/curve.py)
         self.ready: Ready | None = None
         self.stats: SchedulerStats | None = None
@@ -179,6 +187,10 @@ class EngineClient:
                 self._send_frame(frame)
             while True:
                 item = await queue.get()
+                stream = self._streams.get(request_id)
+                if stream is not None and should_release(stream.reader, queue.qsize()):
+                    stream.reader.held_since = None
+                    self._send(Hold([request_id], False))
                 if isinstance(item, EngineError):
                     finished = True
                     raise item
@@ -219,7 +231,7 @@ class EngineClient:
 
     # ----------------------------------------------------------------------------- internals
 
-    def _send(self, msg: Hello | Abort | Heartbeat | UtilityCall) -> None:
+    def _send(self, msg: Hello | Abort | Hold | Heartbeat | UtilityCall) -> None:
         self._send_frame(self._codec.encode(msg))
 
     def _send_frame(self, frame: bytes) -> None:
@@ -248,9 +260,13 @@ class EngineClient:
                     self.stats = msg.stats
                 for out in msg.outputs:
                     stream = self._streams.get(out.request_id)
-                    if stream is not None:
+                    if stream is not None and not stream.reader.gave_up:
                         stream.got_output = True
                         stream.queue.put_nowait(out)
+                        if should_hold(stream.reader, stream.queue.qsize()):
+                            stream.reader.held_since = self._clock.now()
+                            self.holds += 1
+                            self._send(Hold([out.request_id], True))
                 if self.on_outputs is not None:
                     self.on_outputs(msg)
             elif isinstance(msg, Error):
@@ -321,6 +337,21 @@ class EngineClient:
                 continue
             if self._fatal is None:
                 self._send(Heartbeat())
+                self._abort_stuck_readers()
+
+    def _abort_stuck_readers(self) -> None:
+        now = self._clock.now()
+        stuck = [rid for rid, s in self._streams.items() if is_stuck(s.reader, now, self.stuck_reader_timeout)]
+        if not stuck:
+            return
+        log.warning("aborting %d request(s) whose readers took nothing for %g s (their KV is freed)",
+                    len(stuck), self.stuck_reader_timeout)
+        self._send(Abort(stuck))
+        for rid in stuck:
+            stream = self._streams[rid]
+            stream.reader.gave_up = True
+            stream.queue.put_nowait(EngineError(ERR_REQUEST_TIMEOUT, f"request {rid!r} was aborted: its reader took "
+                                                f"no output for {self.stuck_reader_timeout:g} s", rid))
 
     async def _disconnect_loop(self) -> None:
         """A closed connection is a dead (or restarting) engine-core: fail its requests at once."""

@@ -259,6 +259,14 @@ class Abort(Struct, tag="abort", array_like=True, forbid_unknown_fields=True):
     request_ids: list[str]
 
 
+class Hold(Struct, tag="hold", array_like=True, forbid_unknown_fields=True):
+    """Backpressure: ``hold=True`` stops scheduling these requests (their KV stays; nothing more is
+    generated for them) until a ``hold=False`` for them; unknown or finished ids are ignored."""
+
+    request_ids: list[str]
+    hold: bool
+
+
 class Heartbeat(Struct, tag="heartbeat", array_like=True):
     """Liveness ping; the engine answers with an (empty) Outputs carrying fresh stats."""
 
@@ -270,7 +278,7 @@ class UtilityCall(Struct, tag="utility", array_like=True, forbid_unknown_fields=
     method: str
 
 
-FrontendToEngine = Hello | AddRequest | Abort | Heartbeat | UtilityCall
+FrontendToEngine = Hello | AddRequest | Abort | Hold | Heartbeat | UtilityCall
 
 
 class Ready(Struct, tag="ready", array_like=True):

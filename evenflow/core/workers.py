@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from evenflow.protocol import (
-    EngineToWorker, InitKVCache, ModelRunnerOutput, SchedulerOutput, WorkerConfig, WorkerError,
+    EngineToWorker, InitKVCache, KVCacheReady, ModelRunnerOutput, SchedulerOutput, WorkerConfig, WorkerError,
     WorkerReady, WorkerShutdown, WorkerToEngine,
 )
 from evenflow.protocol.lifeline import child_env
@@ -123,7 +123,24 @@ class WorkerGroup:
         return [readies[r] for r in range(world)]
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        """Have every rank allocate ``num_blocks`` blocks and wait until each has (KVCacheReady), so
+        that the engine reports ready with its memory in place (raises WorkerFailure)."""
         self._send(InitKVCache(num_blocks))
+        waiting = set(range(self.template.world_size))
+        deadline = time.monotonic() + self.start_timeout
+        while waiting:
+            if time.monotonic() > deadline:
+                raise WorkerFailure(f"ranks {sorted(waiting)} did not allocate their KV cache within "
+                                    f"{self.start_timeout:.0f} s")
+            if self._in.poll(_POLL_SLICE_MS):
+                msg = self._decode(self._in.recv())
+                if isinstance(msg, KVCacheReady):
+                    waiting.discard(msg.rank)
+                elif isinstance(msg, WorkerError):
+                    self._errors[msg.rank] = msg
+                    self._raise_failure()
+            else:
+                self.check_alive()
 
     # ----------------------------------------------------------------------------- steps
 

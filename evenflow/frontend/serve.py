@@ -89,6 +89,16 @@ def _pin_to(cpus: set[int] | None) -> Callable[[], None] | None:
     return lambda: os.sched_setaffinity(0, cpus)
 
 
+def _answers(url: str) -> bool:
+    """Whether ``url`` answers 200 (a frontend is up and its engine-core answers)."""
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def serve_main(argv: Sequence[str]) -> int:
     args, engine_flags = serve_parser().parse_known_args(list(argv))
     if args.frontends < 1 or args.data_parallel_size < 1:
@@ -144,8 +154,9 @@ def serve_main(argv: Sequence[str]) -> int:
     supervisor = Supervisor(engines + frontends)
     supervisor.start_all()
     where = ", ".join(f"{a} (pid {c.proc.pid})" for a, c in zip(engine_addrs, engines) if c.proc is not None)
-    print(f"evenflow: serving {served_name or model} on http://{args.host}:{port} with {args.frontends} "
-          f"frontend(s); engine-core(s) at {where}{note}", flush=True)
+    serving = (f"evenflow: serving {served_name or model} on http://{args.host}:{port} with {args.frontends} "
+               f"frontend(s); engine-core(s) at {where}{note}")
+    health = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{port}/health"
 
     stopping = False
 
@@ -156,12 +167,16 @@ def serve_main(argv: Sequence[str]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
+    announced = False
     try:
         while not stopping:
             ended = supervisor.poll(time.monotonic())
             if ended is not None:
                 code = ended
                 break
+            if not announced and _answers(health):  # the engine is ready and a frontend serves it
+                print(serving, flush=True)
+                announced = True
             time.sleep(0.2)
     finally:
         # Frontends first (they drain and close their engine connections), then the engine-core.

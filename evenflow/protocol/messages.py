@@ -213,6 +213,14 @@ class InitKVCache(Struct, tag="init_kv", array_like=True):
     num_kv_blocks: int
 
 
+class KVCacheReady(Struct, tag="kv_ready", array_like=True):
+    """A worker allocated (and wrote, so it is resident) the KV cache InitKVCache asked for: the
+    engine reports ready only after every rank's."""
+
+    rank: int
+    num_kv_blocks: int
+
+
 class WorkerShutdown(Struct, tag="shutdown", array_like=True):
     """Ask workers to exit cleanly."""
 
@@ -226,7 +234,7 @@ class WorkerError(Struct, tag="worker_error", array_like=True):
 
 
 EngineToWorker = SchedulerOutput | InitKVCache | WorkerShutdown
-WorkerToEngine = ModelRunnerOutput | WorkerReady | WorkerError
+WorkerToEngine = ModelRunnerOutput | WorkerReady | KVCacheReady | WorkerError
 
 # --------------------------------------------------------------------------------------------
 # frontend <-> engine-core

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from evenflow.protocol import RequestOutput, TokenLogprobs
+from evenflow.protocol import RequestOutput
 
 from evenflow.frontend.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from evenflow.frontend.logprobs import LogprobEntry, format_logprobs

@@ -147,8 +147,13 @@ def _stream_times(url: str, max_tokens: int, out: list[float], started: threadin
 
 
 def _max_gap(times: list[float], start: float, end: float) -> float:
-    window = [t for t in times if start <= t <= end]
-    return max((b - a for a, b in zip(window, window[1:])), default=float("inf"))
+    """The longest wait for the stream's next event within [start, end], counted only while the stream
+    was live: a stream that ended early (or a window with fewer than two events) is not a blocked one."""
+    start, end = max(start, times[0]), min(end, times[-1])
+    if end <= start:
+        return 0.0
+    points = [start, *(t for t in times if start < t < end), end]
+    return max(b - a for a, b in zip(points, points[1:]))
 
 
 def test_slow_compile_and_many_schemas_leave_other_streams_flowing(live: Live, tokenizer: Any) -> None:

@@ -24,14 +24,16 @@ from evenflow.frontend.api.openai import (
     encode_json,
 )
 from evenflow.frontend.api.structured import structured_outputs_async
-from evenflow.frontend.api.prepare import chat_logprobs, chat_prompt_async, plan_choices, truncate_prompt
+from evenflow.frontend.api.prepare import (
+    OFF_LOOP_CHARS, chat_logprobs, chat_prompt_async, off_loop_if_large, plan_choices, truncate_prompt,
+)
 from evenflow.frontend.api.unsupported import check_unsupported
 from evenflow.frontend.api.sse import DONE, SSEResponse, run_until_disconnect, sse_event
 
 
 async def create_chat_completion(ctx: ServingContext, body: bytes, receive: Receive,
                                 timeout_s: float = 0.0) -> Response | SSEResponse:
-    req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest)
+    req: ChatCompletionRequest = await off_loop_if_large(len(body), decode_body, body, ChatCompletionRequest)
     ctx.check_model(req.model)
     if req.echo:
         raise bad_request("echo is not supported by evenflow for chat completions", "echo")
@@ -41,10 +43,14 @@ async def create_chat_completion(ctx: ServingContext, body: bytes, receive: Rece
                                  req.truncate_prompt_tokens, ctx.max_model_len)
     logprobs = chat_logprobs(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    plan = plan_choices(req, prompt_ids, ctx.max_model_len, ctx.vocab_size, logprobs, max_tokens=max_tokens,
-                        structured_outputs=structured)
     request_id = new_id("chatcmpl")
-    gen = Generation(ctx.client, ctx.tokenizer, request_id, [plan], ctx.metrics, timeout_s=timeout_s)
+
+    def prepare() -> Generation:
+        plan = plan_choices(req, prompt_ids, ctx.max_model_len, ctx.vocab_size, logprobs, max_tokens=max_tokens,
+                            structured_outputs=structured)
+        return Generation(ctx.client, ctx.tokenizer, request_id, [plan], ctx.metrics, timeout_s=timeout_s)
+
+    gen = await off_loop_if_large(len(body) + req.n * OFF_LOOP_CHARS // 16, prepare)
     top_n = logprobs or 0
     if req.stream:
         await admit(gen, receive)

@@ -14,7 +14,11 @@ from evenflow.frontend.api.errors import APIError
 from evenflow.frontend.generation import Generation
 from evenflow.frontend.api.openai import CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, Usage, encode_json
 from evenflow.frontend.api.structured import structured_outputs_async
-from evenflow.frontend.api.prepare import COMPLETIONS_DEFAULT_MAX_TOKENS, completion_prompts_async, plan_choices, truncate_prompt
+from evenflow.frontend.api.limits import check_num_choices
+from evenflow.frontend.api.prepare import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS, OFF_LOOP_CHARS, completion_prompts_async, off_loop_if_large, plan_choices,
+    truncate_prompt,
+)
 from evenflow.frontend.api.unsupported import check_unsupported
 from evenflow.frontend.api.sse import DONE, SSEResponse, run_until_disconnect, sse_event
 
@@ -26,17 +30,23 @@ def usage_of(gen: Generation) -> Usage:
 
 async def create_completion(ctx: ServingContext, body: bytes, receive: Receive,
                            timeout_s: float = 0.0) -> Response | SSEResponse:
-    req: CompletionRequest = decode_body(body, CompletionRequest)
+    # Every step of preparation runs off the event loop when the body is large (limits.py bounds it).
+    req: CompletionRequest = await off_loop_if_large(len(body), decode_body, body, CompletionRequest)
     ctx.check_model(req.model)
     check_unsupported(req)
     structured = await structured_outputs_async(req)
     prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, ctx.max_model_len)
                for ids in await completion_prompts_async(req.prompt, ctx.tokenizer, req.add_special_tokens)]
-    plans = [plan_choices(req, ids, ctx.max_model_len, ctx.vocab_size, req.logprobs,
-                          default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, structured_outputs=structured)
-             for ids in prompts]
+    check_num_choices(len(prompts), req.n)
     request_id = new_id("cmpl")
-    gen = Generation(ctx.client, ctx.tokenizer, request_id, plans, ctx.metrics, timeout_s=timeout_s)
+
+    def prepare() -> Generation:
+        plans = [plan_choices(req, ids, ctx.max_model_len, ctx.vocab_size, req.logprobs,
+                              default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, structured_outputs=structured)
+                 for ids in prompts]
+        return Generation(ctx.client, ctx.tokenizer, request_id, plans, ctx.metrics, timeout_s=timeout_s)
+
+    gen = await off_loop_if_large(len(body) + len(prompts) * req.n * OFF_LOOP_CHARS // 16, prepare)
     echo = [_prompt_text(ctx, req, i, ids) for i, ids in enumerate(prompts)] if req.echo else None
     if req.stream:
         await admit(gen, receive)

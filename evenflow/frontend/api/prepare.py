@@ -19,6 +19,7 @@ from evenflow.frontend.chat_template import ChatTemplateError, content_text, ren
 from evenflow.frontend.choices import ChoicePlan, fan_out, stop_strings
 from evenflow.frontend.tokenizer import Tokenizer
 from evenflow.frontend.api.errors import APIError, bad_request
+from evenflow.frontend.api.limits import check_num_prompts
 from evenflow.frontend.api.openai import ChatCompletionRequest, ChatMessage, _SamplingFields
 
 MAX_N = 128
@@ -27,6 +28,7 @@ PROMPT_FORMS = "prompt must be a string, a list of strings, a list of token ids 
 # ~50 us, tokenizing 2000 characters about as much; a 1 MB prompt would stall the loop for ~0.1 s).
 OFF_LOOP_CHARS = 2000
 CHARS_PER_TOKEN = 4  # for sizing token-id inputs against OFF_LOOP_CHARS
+OFF_LOOP_MESSAGES = 32  # more chat messages than this are rendered off the loop whatever their size
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
 T = TypeVar("T")
@@ -46,6 +48,8 @@ def completion_prompts(prompt: str | list[Any], tokenizer: Tokenizer, add_specia
         return [tokenizer.encode(prompt, add_special_tokens=add_special_tokens)]
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
+    if not isinstance(prompt[0], int):  # several prompts (a token-id list is one)
+        check_num_prompts(len(prompt))
     if all(isinstance(p, str) for p in prompt):
         return tokenizer.encode_batch(list(prompt), add_special_tokens=add_special_tokens)
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
@@ -112,7 +116,10 @@ def chat_prompt(req: ChatCompletionRequest | Any, tokenizer: Tokenizer, messages
 
 async def chat_prompt_async(req: ChatCompletionRequest | Any, tokenizer: Tokenizer,
                             messages: list[ChatMessage], add_special_tokens: bool = False) -> list[int]:
-    """``chat_prompt``, off the event loop when the messages are large."""
+    """``chat_prompt``, off the event loop when the messages are large or many (the template's cost
+    grows with the count of messages, even empty ones)."""
+    if len(messages) > OFF_LOOP_MESSAGES:
+        return await asyncio.to_thread(chat_prompt, req, tokenizer, messages, add_special_tokens)
     size = sum(_content_size(m.content) for m in messages)
     return await off_loop_if_large(size, chat_prompt, req, tokenizer, messages, add_special_tokens)
 

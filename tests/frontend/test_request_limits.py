@@ -73,7 +73,7 @@ def test_hostile_bodies_get_400s_naming_their_limit_without_stalling_the_loop(
                 f"limit of {MAX_STOP_STRING_CHARS}", f"limit of {MAX_JSON_DEPTH}", f"limit of {MAX_JSON_DEPTH}"]
     for (r, gap), words in zip(results, expected):
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
-        assert gap < 0.5, (words, gap)  # the machine is shared: a stall would be seconds
+        assert gap < 2.0, (words, gap)  # the machine may be shared: the stalls this guards against were 2.6-15 s
     assert not any(rec.exc_info for rec in caplog.records)  # no traceback
 
 

@@ -99,6 +99,7 @@ class EngineCore:
             max_num_seqs=self.cfg.max_num_seqs, max_model_len=self.max_model_len, block_size=self.block_size,
             long_prefill_token_threshold=self.cfg.long_prefill_token_threshold, policy=self.cfg.scheduling_policy,
             enable_prefix_caching=self.cfg.enable_prefix_caching, target_itl_ms=self.cfg.target_itl_ms,
+            auto_target_itl=self.cfg.auto_target_itl,
             max_num_partial_prefills=self.cfg.max_num_partial_prefills,
             max_long_partial_prefills=self.cfg.max_long_partial_prefills, speculative_config=self.cfg.speculative_config)
         sched_cfg.validate()

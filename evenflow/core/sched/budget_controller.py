@@ -127,7 +127,7 @@ class BudgetController:
             if base_s < aim_s:
                 allowance, bound_by = self._largest_within(cost, survey, base_s, aim_s), "aim"
             else:  # the decodes alone take the aim: the prompt's share instead of a crawl at the floor
-                share_s = min(base_s / (1 - PREFILL_MIN_SHARE), STALL_BOUND * self.target_s)
+                share_s = base_s / (1 - PREFILL_MIN_SHARE)  # over the stall bound too: it is past already
                 allowance, bound_by = self._largest_within(cost, survey, base_s, share_s), "share"
             trust = int(TRUST_GROWTH * self.largest_prefill_seen)
             if allowance > trust:

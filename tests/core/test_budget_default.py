@@ -120,3 +120,27 @@ def test_the_trace_writes_each_planned_step(tmp_path: Path, monkeypatch: pytest.
     last = rows[-1]
     assert last["target_ms"] == 10.0 and last["decodes"] == NUM_STREAMS and 0 < last["prefill_tokens"] <= last["allowance"]
     assert last["measured_ms"] == pytest.approx(last["predicted_ms"], rel=0.02)  # a noiseless machine, fitted
+
+
+def test_an_allowance_is_sized_by_the_model_that_predicts_the_step() -> None:
+    """Fitted on nothing but 16-token chunks beside decodes (the floor's steps), the model may split its
+    costs any way that fits them; the allowance must still be the largest P whose *predicted* step is
+    within the aim (before, the costs read with negatives as 0 priced the decodes alone over the aim,
+    and every allowance stayed at the floor)."""
+    from evenflow.core.sched.budget_controller import BudgetController
+    from evenflow.core.sched.prefill_gate import RunningSurvey
+    from evenflow.core.sched.step_time_model import shape_of_step
+
+    controller = BudgetController(target_s=0.050, max_tokens=2048, max_model_len=4096, max_requests=64)
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        context = int(rng.integers(0, 2000))
+        chunks = [(16, context)] if rng.random() < 0.7 else []
+        shape = shape_of_step(8, 8 * 300, chunks)
+        controller.model.observe(shape, 4e-3 + 0.3e-3 * shape.tokens + 1e-6 * shape.kv_reads + rng.normal(0, 2e-4))
+    controller.largest_prefill_seen = 1024  # trust out of the way
+    survey = RunningSurvey(decodes=8, decode_context=8 * 300, prefills=1, first_prefill_context=1000)
+    allowance = controller.prefill_allowance(survey)
+    predicted = [controller.model.predict(shape_of_step(8, 8 * 300, [(p, 1000)])) for p in range(1, 2041)]
+    largest = max((p for p, s in zip(range(1, 2041), predicted) if s <= controller.aim_s), default=16)
+    assert allowance > 16 and abs(allowance - largest) <= 1, (allowance, largest)

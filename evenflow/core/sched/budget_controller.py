@@ -121,7 +121,7 @@ class BudgetController:
         elif self.model.num_observations < MIN_OBSERVATIONS:
             allowance, bound_by = PREFILL_FLOOR_TOKENS, "warm-up"
         else:
-            cost = self.model.coefficients()
+            cost = self.model.fitted_costs()
             base_s = self._base_seconds(cost, survey)
             aim_s = min(self.aim_s, STALL_BOUND * self.target_s)
             if base_s < aim_s:
@@ -162,6 +162,8 @@ class BudgetController:
             return 0
         # A chunk of P after C: P tokens, C + P reads, P * (C + (P + 1) / 2) pairs, so
         # per_pair/2 * P^2 + (per_token + per_read + per_pair * (C + 1/2)) * P + slack <= 0
+        # (The fitted costs may be negative: a < 0 is read as 0, the conservative side; b <= 0 with
+        # a <= 0 is a fit that sees no price in prompt tokens, which trust then bounds.)
         a = cost.per_pair / 2
         b = cost.per_token + cost.per_read + cost.per_pair * (c + 0.5)
         if a > 0:

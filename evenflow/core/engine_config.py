@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="adaptive token budget: each step carries as much prefill as keeps the streams' p99 inter-token "
            "latency (step times fitted online) at this many ms; --max-num-batched-tokens becomes the upper "
            "bound; 0: off (a fixed budget). Default: with --max-num-batched-tokens given, off; without it, on, "
-           "with a target derived from the measured decode step (max(50 ms, 3x the decode step))")
+           "with a target derived from the measured decode step (max(50 ms, 4x the decode step))")
     a("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
       help="when > 1: most requests with a prefill chunk in one step (vLLM V0)")
     a("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,

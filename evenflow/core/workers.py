@@ -34,7 +34,6 @@ from evenflow.protocol import (
 )
 from evenflow.protocol.lifeline import child_env
 
-from evenflow.core.engine_config import EngineConfig
 from evenflow.core.multi_node import NodeLayout, SecuredLinks
 
 log = logging.getLogger("evenflow.core.workers")
@@ -49,7 +48,8 @@ class WorkerFailure(RuntimeError):
 
 @dataclass
 class WorkerGroup:
-    """``world_size`` worker processes built from one WorkerConfig template."""
+    """``world_size`` worker processes built from one WorkerConfig template: the multiprocess
+    ``Executor`` (evenflow/protocol/executor.py)."""
 
     ctx: zmq.Context
     template: WorkerConfig
@@ -197,17 +197,6 @@ class WorkerGroup:
         self._out.close(0)
         self._in.close(0)
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def worker_template(cfg: EngineConfig, model_path: str, max_model_len: int) -> WorkerConfig:
-    """Every rank's WorkerConfig but its rank and addresses (the same on every host)."""
-    return WorkerConfig(
-        model=model_path, world_size=cfg.tensor_parallel_size, dtype=cfg.dtype, device=cfg.device,
-        seed=cfg.seed, block_size=cfg.block_size, max_model_len=max_model_len,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-        attention_backend=cfg.attention_backend, kv_cache_memory=cfg.kv_cache_memory,
-        num_kv_blocks=cfg.num_kv_blocks, load_format=cfg.load_format, num_threads=cfg.worker_threads,
-        speculative_config=cfg.speculative_config)
 
 
 def spawn_worker(cfg: WorkerConfig, env: dict[str, str] | None = None) -> subprocess.Popen:

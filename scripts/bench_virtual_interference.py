@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from pathlib import Path
 
+from evenflow.bench.plot import CurvePoint, plot_budget_curves
 from evenflow.bench.virtual_interference import MachineCosts, Workload, measure_costs, run
 from evenflow.core.sched import auto_target
 from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.sched.step_time_model import shape_of_step
 
-COLUMNS = ("itl_p50", "itl_p99", "itl_max", "gaps_over_250", "ttft_p50", "out_tok_s")
+COLUMNS = ("itl_p50", "itl_p99", "itl_max", "gaps_over_250", "ttft_p50", "ttft_p99", "out_tok_s")
 
 
 def configs(args: argparse.Namespace) -> list[tuple[str, dict[str, object], float | None]]:
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--auto-multiples", default="",
                     help="also run the derived target with these decode-step multiples (the study behind the default's)")
+    ap.add_argument("--plot", type=Path, default=None, help="the four curves, the default marked, to this PNG")
     ap.add_argument("--costs", default="", help="5 comma-separated costs instead of measuring them")
     args = ap.parse_args()
     costs = (MachineCosts(tuple(float(c) for c in args.costs.split(","))) if args.costs  # type: ignore[arg-type]
@@ -62,6 +65,7 @@ def main() -> None:
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
     seeds = [int(s) for s in args.seeds.split(",")]
     default_multiple = auto_target.AUTO_TARGET_DECODE_MULTIPLE
+    points: list[CurvePoint] = []
     for label, options, multiple in configs(args):
         config = SchedulerConfig(num_kv_blocks=4096, max_model_len=4096, max_num_seqs=64, **options)  # type: ignore[arg-type]
         auto_target.AUTO_TARGET_DECODE_MULTIPLE = default_multiple if multiple is None else multiple
@@ -72,6 +76,15 @@ def main() -> None:
         print(f"| {label} | {target:.0f} | {budget:.0f} | {med['itl_p50']:.0f} | {med['itl_p99']:.0f} | "
               f"{med['itl_max']:.0f} | {med['gaps_over_250']:.0f} | {med['ttft_p50']:.2f} | {med['out_tok_s']:.1f} |",
               flush=True)
+        if not label.startswith("auto,"):
+            per_step = statistics.median(r.tokens_per_step for r in results)
+            points.append(CurvePoint(label.removeprefix("fixed "), label.startswith("target"), 1e3 * med["ttft_p50"],
+                                     1e3 * med["ttft_p99"], med["itl_p99"], med["itl_max"], med["out_tok_s"],
+                                     med["out_tok_s"], per_step, None, default=label == "default"))
+    if args.plot is not None:
+        plot_budget_curves(points, f"virtual clock, {Path(args.model_dir).name}, interference", "long", "steady",
+                           args.plot)
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

@@ -106,12 +106,14 @@ class RunResult:
     elapsed_s: float = 0.0
     target_ms: float = 0.0  # the controller's target, averaged over the steps of the arrival window
     mean_budget: float = 0.0
+    tokens_per_step: float = 0.0
 
     def summary(self) -> dict[str, float]:
         itl = np.array(self.itl_ms) if self.itl_ms else np.zeros(1)
         return dict(itl_p50=float(np.percentile(itl, 50)), itl_p99=float(np.percentile(itl, 99)),
                     itl_max=float(itl.max()), gaps_over_250=float((itl > 250).sum()),
                     ttft_p50=float(np.median(self.long_ttft_s)) if self.long_ttft_s else float("nan"),
+                    ttft_p99=float(np.percentile(self.long_ttft_s, 99)) if self.long_ttft_s else float("nan"),
                     out_tok_s=self.output_tokens / max(self.elapsed_s, 1e-9))
 
 
@@ -172,4 +174,5 @@ def run(label: str, config: SchedulerConfig, costs: MachineCosts, load: Workload
     result.target_ms = 1e3 * float(np.mean(targets)) if targets else 0.0
     steps = sum(stats.token_budget_log2_counts)
     result.mean_budget = stats.token_budget_sum / steps if steps else 0.0
+    result.tokens_per_step = stats.num_scheduled_tokens / max(stats.num_steps, 1)
     return result

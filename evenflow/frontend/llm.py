@@ -37,7 +37,7 @@ from evenflow.frontend.generation import Generation
 from evenflow.frontend.choices import ChoicePlan, fan_out, stop_strings
 from evenflow.frontend.structured_outputs import offline_structured_outputs
 from evenflow.frontend.chat_template import render_chat
-from evenflow.frontend.outputs import LogprobEntry
+from evenflow.frontend.logprobs import LogprobEntry
 from evenflow.frontend.progress import Progress
 from evenflow.frontend.tokenizer import Tokenizer
 

@@ -144,3 +144,20 @@ def test_an_allowance_is_sized_by_the_model_that_predicts_the_step() -> None:
     predicted = [controller.model.predict(shape_of_step(8, 8 * 300, [(p, 1000)])) for p in range(1, 2041)]
     largest = max((p for p, s in zip(range(1, 2041), predicted) if s <= controller.aim_s), default=16)
     assert allowance > 16 and abs(allowance - largest) <= 1, (allowance, largest)
+
+
+def test_the_target_and_budget_are_logged_every_interval(monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    import evenflow.core.sched.budget_controller as budget_controller
+
+    monkeypatch.setattr(budget_controller, "LOG_INTERVAL_S", 0.0)
+    machine = SyntheticMachine(fixed=30e-3)
+    scheduler = scheduler_with_streams(auto_target_itl=True)
+    with caplog.at_level(logging.INFO, logger="evenflow.core.sched.budget_controller"):
+        for i in range(40):
+            step(scheduler, machine.step_seconds)
+    line = caplog.records[-1].getMessage()
+    assert line.startswith("token budget: target") and "auto: " in line and "ms decode step" in line
+    assert f"{scheduler.budget_controller.target_s * 1e3:.1f} ms" in line  # type: ignore[union-attr]

@@ -41,7 +41,7 @@ class BudgetTrace:
     @classmethod
     def from_env(cls) -> BudgetTrace | None:
         path = os.environ.get(TRACE_ENV)
-        return cls(open(path, "a", buffering=1 << 16)) if path else None
+        return cls(open(path, "a", buffering=1)) if path else None  # line-buffered: a killed engine keeps its trace
 
     def write(self, step: PlannedStep) -> None:
         self.file.write(json.dumps(asdict(step)) + "\n")

@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         info = read_model_info(cfg.model, cfg.served_model_name)
         if cfg.max_model_len is not None and cfg.max_model_len > info.max_model_len:
             raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's limit "
-                              f"{info.max_model_len} (from {info.model_path}/config.json)")
+                              f"{info.max_model_len} (from {info.model_path})")
         if cfg.nnodes > 1:
             read_secret(cfg.dist_secret_file)  # missing or short: a usage error, before anything starts
     except (ConfigError, ValueError, OSError) as e:

@@ -11,6 +11,7 @@ from typing import Sequence
 
 from evenflow.protocol import MAX_FRAME_BYTES, SpeculativeConfig, parse_speculative_config
 from evenflow.protocol.curve import is_loopback
+from evenflow.protocol.gguf_file import is_gguf_path
 
 from evenflow.core.sched.config import DEFAULT_MAX_NUM_SEQS, SCHEDULING_POLICIES, ConfigError, check_prefill_limits, check_scheduler_limits
 
@@ -109,8 +110,8 @@ class EngineConfig:
         self._validate_nodes()
         if self.speculative_config is not None and (problem := self.speculative_config.validate()):
             raise ConfigError(f"--speculative-config: {problem}")
-        if not (Path(self.model).expanduser() / "config.json").is_file():
-            raise ConfigError(f"--model {self.model!r} is not a folder with a config.json")
+        if not is_gguf_path(self.model) and not (Path(self.model).expanduser() / "config.json").is_file():
+            raise ConfigError(f"--model {self.model!r} is neither a folder with a config.json nor a .gguf file")
 
     def _validate_nodes(self) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
@@ -153,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     a = p.add_argument
-    a("--model", required=True, help="model folder (HuggingFace layout: config.json, *.safetensors)")
+    a("--model", required=True, help="model folder (HuggingFace layout: config.json, *.safetensors) or a .gguf file")
     a("--listen", default=d.listen, help="ZMQ address the ROUTER binds for frontends (tcp:// or ipc://)")
     a("--served-model-name", default=None, help="model name reported to frontends (default: folder name)")
     a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget of one step")
@@ -184,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-async-scheduling", dest="async_scheduling", action="store_false",
       help="turn off overlap (schedule step N+1 only after step N's results)")
     a("--load-format", choices=("auto", "dummy"), default=d.load_format,
-      help="auto: safetensors weights; dummy: random weights from config.json alone")
+      help="auto: the GGUF file's or the folder's safetensors weights; dummy: random weights from the config alone")
     a("--max-frame-bytes", type=int, default=d.max_frame_bytes, help="largest frontend frame accepted")
     a("--worker-start-timeout", type=float, default=d.worker_start_timeout,
       help="seconds to wait for every worker's handshake")

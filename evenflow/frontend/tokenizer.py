@@ -2,7 +2,8 @@
 
 ``tokenizer.json`` gives the vocabulary, the pipeline and which added tokens are special;
 ``tokenizer_config.json`` gives BOS/EOS, whether a BOS is prepended (``add_bos_token``) and the
-chat template (also read from ``chat_template.jinja``, or a file the user names).
+chat template (also read from ``chat_template.jinja``, or a file the user names). A GGUF file
+carries all of these as metadata (``evenflow.frontend.gguf_tokenizer``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
+
+from evenflow.frontend.gguf_tokenizer import read_gguf_tokenizer
+from evenflow.protocol.gguf_file import is_gguf_path
 
 
 class TokenizerLoadError(ValueError):
@@ -84,8 +88,12 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, chat_template: str | Path | None = None) -> "Tokenizer":
-        """Load ``tokenizer.json`` (+ ``tokenizer_config.json``) from a model folder."""
+        """Load ``tokenizer.json`` (+ ``tokenizer_config.json``) from a model folder, or a GGUF file's tokenizer."""
         model_dir = Path(model_dir)
+        if is_gguf_path(model_dir):
+            g = read_gguf_tokenizer(model_dir)
+            template = Path(chat_template).read_text(encoding="utf-8") if chat_template else g.chat_template
+            return cls(g.hf, g.bos_token, g.eos_token, g.add_bos_token, template, model_dir)
         tok_file = model_dir / "tokenizer.json"
         if not tok_file.exists():
             raise TokenizerLoadError(f"no tokenizer.json in {model_dir} (use --tokenizer DIR)")

@@ -1,4 +1,5 @@
-"""Reading a HuggingFace checkpoint folder's ``config.json`` and ``generation_config.json``.
+"""Reading a HuggingFace checkpoint folder's ``config.json`` and ``generation_config.json``,
+or a GGUF file's metadata in the same terms (``evenflow.protocol.gguf_config``).
 
 Shared by the engine-core (the facts it schedules with: context length, vocabulary, EOS ids) and
 the workers (the architecture they build), so both read the files the same way. Plain JSON, no
@@ -13,13 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from evenflow.protocol.gguf_file import is_gguf_path
+
 
 @dataclass(frozen=True)
 class HFConfig:
     """A checkpoint folder's configuration as read from disk."""
 
-    path: Path  # the folder, resolved
-    raw: dict[str, Any]  # config.json
+    path: Path  # the folder (or the GGUF file), resolved
+    raw: dict[str, Any]  # config.json (or the GGUF metadata as config.json would say it)
     text: dict[str, Any]  # the language model's part: ``text_config`` of multimodal wrappers, else raw
     eos_token_ids: list[int]  # config.json's, then generation_config.json's, without repeats
 
@@ -43,11 +46,16 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def read_hf_config(model_dir: str | Path) -> HFConfig:
-    """Read ``model_dir/config.json`` (+ ``generation_config.json`` for EOS ids).
+    """Read ``model_dir/config.json`` (+ ``generation_config.json`` for EOS ids), or a GGUF file.
 
     Raises ValueError naming the file when the folder has no usable config.
     """
     path = Path(model_dir).expanduser().resolve()
+    if is_gguf_path(path):
+        from evenflow.protocol.gguf_config import gguf_to_hf_config
+
+        raw, eos = gguf_to_hf_config(path)
+        return HFConfig(path, raw, raw, eos)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"no config.json in model folder {path}")

@@ -1,18 +1,22 @@
-"""Weights into a model: from safetensors (lazily, shard by shard) or random (``dummy``).
+"""Weights into a model: from safetensors (lazily, shard by shard), a GGUF file, or random (``dummy``).
 
 Checkpoint tensors are read through ``safe_open`` (memory-mapped) one at a time, and only this
 rank's slice of each (``get_slice``), then copied into the preallocated fused parameters, so the
-checkpoint is never held twice in RAM.
+checkpoint is never held twice in RAM. GGUF tensors are dequantized one at a time
+(``evenflow.worker.gguf_weights``) and copied the same way.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
 
 import torch
+from evenflow.protocol.gguf_file import is_gguf_path
+from evenflow.worker.gguf_weights import iter_gguf_tensors
 from evenflow.worker.models.linear import cpu_has_fast_path
 from evenflow.worker.models.llama import LlamaModel, WeightSpec
 from safetensors import safe_open
@@ -20,6 +24,7 @@ from safetensors import safe_open
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROGRESS_MIN_BYTES = 1 << 30  # a progress bar only for checkpoints of 1 GiB or more
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+log = logging.getLogger(__name__)
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
@@ -46,9 +51,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _shard_slice(tensor_slice, spec: WeightSpec, rank: int, world_size: int, name: str) -> torch.Tensor:
-    """Read only this rank's part of one checkpoint tensor."""
-    shape = tensor_slice.get_shape()
+def _shard_slice(tensor_slice, shape: list[int], spec: WeightSpec, rank: int, world_size: int,
+                 name: str) -> torch.Tensor:
+    """Read only this rank's part of one checkpoint tensor (a safetensors slice or a tensor)."""
     if spec.shard_dim is None or world_size == 1:
         return tensor_slice[:]
     total = shape[spec.shard_dim]
@@ -81,10 +86,9 @@ def load_safetensors(model: LlamaModel, model_dir: str | Path) -> None:
                         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
                             continue
                         raise ValueError(f"unexpected tensor {name!r} in {path.name} for {model.cfg.architecture}")
-                    part = _shard_slice(f.get_slice(name), spec, rank, world, name)
-                    dest = params[spec.param]
-                    rows = part.shape[0]
-                    dest[spec.row_offset : spec.row_offset + rows].copy_(part)
+                    tensor_slice = f.get_slice(name)
+                    part = _shard_slice(tensor_slice, tensor_slice.get_shape(), spec, rank, world, name)
+                    _copy_part(params[spec.param], spec, part)
                     seen.add(name)
             done_bytes += path.stat().st_size
             if show_progress:
@@ -93,10 +97,40 @@ def load_safetensors(model: LlamaModel, model_dir: str | Path) -> None:
                       f"{time.perf_counter() - t0:.0f}s)", end="", file=sys.stderr, flush=True)
     if show_progress:
         print(file=sys.stderr)
+    _check_complete(specs, seen, model_dir)
+    model.finish_loading()
+
+
+def _copy_part(dest: torch.Tensor, spec: WeightSpec, part: torch.Tensor) -> None:
+    dest[spec.row_offset : spec.row_offset + part.shape[0]].copy_(part)
+
+
+def _check_complete(specs: dict[str, WeightSpec], seen: set[str], source: str | Path) -> None:
     missing = sorted(set(specs) - seen)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"checkpoint {model_dir} is missing tensor {missing[0]!r}{more}")
+        raise ValueError(f"checkpoint {source} is missing tensor {missing[0]!r}{more}")
+
+
+def load_gguf(model: LlamaModel, path: str | Path) -> None:
+    """Fill ``model`` from a GGUF file, each tensor dequantized to the model's dtype on the way."""
+    specs = model.weight_specs()
+    params = dict(model.named_parameters())
+    dtype = model.embed.dtype
+    seen: set[str] = set()
+    rank, world = model.tp.rank, model.tp.world_size
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for name, tensor in iter_gguf_tensors(path, model.cfg, dtype):
+            spec = specs.get(name)
+            if spec is None:
+                if name == "lm_head.weight" and model.lm_head is None:
+                    continue
+                raise ValueError(f"unexpected tensor {name!r} in {path} for {model.cfg.architecture}")
+            _copy_part(params[spec.param], spec, _shard_slice(tensor, list(tensor.shape), spec, rank, world, name))
+            seen.add(name)
+    _check_complete(specs, seen, path)
+    log.info("loaded %s in %.1fs (dequantized to %s)", path, time.perf_counter() - t0, dtype)
     model.finish_loading()
 
 
@@ -113,8 +147,10 @@ def load_dummy(model: LlamaModel, seed: int) -> None:
 
 
 def load_weights(model: LlamaModel, model_dir: str | Path, load_format: str, seed: int) -> None:
-    """Dispatch on ``load_format``: ``auto``/``safetensors`` or ``dummy``."""
-    if load_format in ("auto", "safetensors"):
+    """Dispatch on ``load_format``: ``auto`` (a GGUF file or a safetensors folder), ``safetensors`` or ``dummy``."""
+    if load_format == "auto" and is_gguf_path(model_dir):
+        load_gguf(model, model_dir)
+    elif load_format in ("auto", "safetensors"):
         load_safetensors(model, model_dir)
     elif load_format == "dummy":
         load_dummy(model, seed)

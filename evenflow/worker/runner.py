@@ -86,7 +86,7 @@ class ModelRunner:
         self.num_params = sum(p.numel() for p in self.model.parameters())  # this rank's shard
         self.threads = ThreadSetter(plan_step_threads(self.device, config.world_size, config.num_threads),
                                     self.num_params * torch.empty(0, dtype=self.torch_dtype).element_size())
-        load_weights(self.model, config.model, config.load_format, config.seed)
+        load_weights(self.model, config.model, config.load_format, config.seed, config.quantization)
         self.model.eval()
         cfg = self.model_config
         self.attn = backend_cls(self.model.num_heads, self.model.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,

@@ -25,7 +25,7 @@ from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, 
 log = logging.getLogger("evenflow.worker.int4")
 
 # Row counts the start-up measurement tries (decode batches up to chunked prefills).
-_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_PROBE_ROWS = (1, 4, 16, 32, 64, 128, 256)
 _TRIALS = 5  # min over interleaved trials: the machine may be shared, a min is the stable figure
 
 
@@ -46,7 +46,7 @@ class Int4CpuLinear:
     def __init__(self, dense: Linear, plan: Int4Plan) -> None:
         self.dense = dense
         self.plan = plan
-        self._scratch: dict[tuple[int, int], torch.Tensor] = {}  # one dequantized weight per shape
+        self._scratch: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # one dequantized weight per shape
         self.prepare = dense.prepare  # dense weights are laid out by the wrapped kernel
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None
@@ -62,10 +62,10 @@ class Int4CpuLinear:
 
 
     def _scratch_for(self, weight: Int4Weight) -> torch.Tensor:
-        shape = (weight.out_features, weight.in_features)
-        buf = self._scratch.get(shape)
+        key = (weight.out_features, weight.in_features, self.plan.dense_dtype)
+        buf = self._scratch.get(key)
         if buf is None:
-            buf = self._scratch[shape] = torch.empty(shape, dtype=self.plan.dense_dtype)
+            buf = self._scratch[key] = torch.empty(key[:2], dtype=key[2])
         return buf
 
 
@@ -78,7 +78,7 @@ def layout_matches() -> bool:
     """Whether this torch packs int4 in the tile layout ``Int4Weight.dequantize`` reads (checked once;
     a torch that changes it keeps 4-bit weights off rather than computing wrong values)."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randint(0, 16, (2 * PACK_TILE_ROWS, 2 * GROUP), dtype=torch.int32, generator=g)
+    q = torch.randint(0, 16, (2 * PACK_TILE_ROWS, 2 * GROUP), dtype=torch.uint8, generator=g)
     scale = torch.rand(q.shape[0], 2, generator=g).bfloat16().float()
     zero = torch.rand(q.shape[0], 2, generator=g).bfloat16().float()
     try:
@@ -108,38 +108,39 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool) -> Int4Plan:
     """Time int4 against the dense path on one projection of ``shape`` (out, in) at every probe size.
 
     The dense path for many rows is bfloat16 where ``bf16_fast`` (native bf16) and measured faster
-    than float32 at the largest probe, else float32; it includes dequantizing the weight, since that is
-    paid once per layer per step.
+    than float32 at the largest probe, else float32; its cost includes dequantizing the weight once,
+    as a step pays that once per layer.
     """
     if not layout_matches():
         return Int4Plan(0, torch.float32, "this torch's int4 packing is not the layout evenflow reads")
     n, k = shape
     g = torch.Generator().manual_seed(0)
-    weight = pack(Q4Rows(torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g),
+    weight = pack(Q4Rows(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
                          torch.rand(n, k // GROUP, generator=g) * 0.01, torch.zeros(n, k // GROUP)))
-    dense_f32 = weight.dequantize(torch.empty(shape, dtype=torch.float32))
     big = torch.randn(_PROBE_ROWS[-1], k, generator=g)
-    dense_dtype = torch.float32
-    if bf16_fast:
-        dense_bf16 = torch.empty(shape, dtype=torch.bfloat16)
-        f32, bf16 = _time_min([lambda: F.linear(big, weight.dequantize(dense_f32)),
-                               lambda: F.linear(big.bfloat16(), weight.dequantize(dense_bf16))])
-        dense_dtype = torch.bfloat16 if bf16 < f32 else torch.float32
-    linear = Int4CpuLinear(TorchLinear(), Int4Plan(0, dense_dtype, ""))
-    max_rows, lines = 0, []
-    for rows in _PROBE_ROWS:
-        x = big[:rows]
-        int4_s, dense_s, f32_s = _time_min([
-            lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), weight.packed, GROUP, weight.scale_zeros),
-            lambda: linear(x, weight),  # max_int4_rows=0: the dense path
-            lambda: F.linear(x, dense_f32),  # float32 weights as loaded: what int4 must beat to be worth it
-        ])
-        lines.append(f"{rows}: int4 {int4_s * 1e3:.3f} / dequant+{str(dense_dtype)[6:]} {dense_s * 1e3:.3f} / "
-                     f"float32 {f32_s * 1e3:.3f} ms")
-        if int4_s < dense_s and (rows > 1 or int4_s < f32_s):
-            max_rows = rows
-        elif rows > 1:
-            break
+    dense = {dtype: weight.dequantize(torch.empty(shape, dtype=dtype)) for dtype in (torch.float32, torch.bfloat16)}
+    dtypes = [torch.float32, torch.bfloat16] if bf16_fast else [torch.float32]
+    with torch.inference_mode():
+        costs = _time_min([lambda dtype=dtype: F.linear(big.to(dtype), dense[dtype]) for dtype in dtypes]
+                          + [lambda dtype=dtype: weight.dequantize(dense[dtype]) for dtype in dtypes])
+        dequant_s = dict(zip(dtypes, costs[len(dtypes):]))
+        dense_dtype = min(dtypes, key=lambda dtype: costs[dtypes.index(dtype)] + dequant_s[dtype])
+        max_rows, lines = 0, []
+        for rows in _PROBE_ROWS:
+            x = big[:rows]
+            int4_s, matmul_s, f32_s = _time_min([
+                lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), weight.packed, GROUP,
+                                                                   weight.scale_zeros),
+                lambda: F.linear(x.to(dense_dtype), dense[dense_dtype]),
+                lambda: F.linear(x, dense[torch.float32]),  # float32 weights kept: what int4 must beat
+            ])
+            dense_s = dequant_s[dense_dtype] + matmul_s
+            lines.append(f"{rows}: int4 {int4_s * 1e3:.3f} / dequant+{str(dense_dtype)[6:]} {dense_s * 1e3:.3f} / "
+                         f"float32 {f32_s * 1e3:.3f} ms")
+            if int4_s < dense_s and (rows > 1 or int4_s < f32_s):
+                max_rows = rows
+            elif rows == 1:
+                break
     detail = "; ".join(lines)
     if max_rows == 0:
         return Int4Plan(0, dense_dtype, f"the int4 kernel was slower than float32 at one row ({detail})")
@@ -155,6 +156,12 @@ def int4_plan(shape: tuple[int, int], bf16_fast: bool) -> Int4Plan:
     key = (shape, bf16_fast)
     if key not in _PLANS:
         t0 = time.perf_counter()
-        _PLANS[key] = plan = measure_int4_plan(shape, bf16_fast)
+        # On one thread: the ratios are what decide, and one thread is what a shared machine disturbs least.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _PLANS[key] = plan = measure_int4_plan(shape, bf16_fast)
+        finally:
+            torch.set_num_threads(threads)
         log.info("int4 linear plan (measured in %.2f s): %s", time.perf_counter() - t0, plan.reason)
     return _PLANS[key]

@@ -151,6 +151,11 @@ class LlamaModel(nn.Module):
             return set()
         return {f"layers.{i}.{name}" for i in range(self.cfg.num_layers) for name in ("qkv", "o", "gate_up", "down")}
 
+    def int4_param_names(self) -> list[str]:
+        """The projections held 4-bit after loading (for the log and the benchmarks)."""
+        return [f"layers.{i}.{name}" for i, w in enumerate(self._linears)
+                for name in ("qkv", "o", "gate_up", "down") if isinstance(getattr(w, name), Int4Weight)]
+
     def load_int4_part(self, param: str, row_offset: int, rows: Q4Rows) -> None:
         """Keep ``rows`` of ``param`` (from ``row_offset``) 4-bit instead of copying dense values in."""
         self._int4_parts.setdefault(param, {})[row_offset] = rows

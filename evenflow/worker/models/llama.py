@@ -17,7 +17,9 @@ from evenflow.worker.attention.base import AttentionBackend, KVCache
 from evenflow.worker.config_reader import ModelConfig
 from evenflow.worker.models.int4_linear import Int4CpuLinear, int4_fits, int4_plan
 from evenflow.worker.models.layers import RotaryTable, apply_rotary, rms_norm, rms_norm_heads
-from evenflow.worker.models.linear import cpu_has_fast_path, pick_linear
+from evenflow.worker.models.linear import (
+    CastLinear, PackedCpuLinear, TorchLinear, UpcastCpuLinear, cpu_has_fast_path, emulated_slowdown, pick_linear,
+)
 from evenflow.worker.models.q4_blocks import Int4Weight, Q4Rows, concat_rows, pack
 from evenflow.worker.parallel import TensorParallel
 from torch import nn
@@ -105,6 +107,12 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryTable(cfg.head_dim, max(max_model_len, 1), cfg.rope_theta, cfg.rope_scaling, dtype,
                                   device)
         self.linear = pick_linear(dtype, device)
+        self.head_linear = self.linear  # the LM head's kernel (bfloat16 beside int4 projections)
+        if isinstance(self.linear, UpcastCpuLinear):
+            slow = emulated_slowdown(dtype, (2 * self.intermediate, cfg.hidden_size))
+            log.warning("--dtype %s on a CPU without native %s (no avx512_bf16/amx_bf16): a projection takes "
+                        "%.1fx float32's time at 1 row, %.1fx at 64 rows (measured); --dtype float32 is faster here",
+                        str(dtype)[6:], str(dtype)[6:], *slow)
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         # Qwen3: one weight row per head over the q and k heads together, so one norm call per layer.
@@ -189,11 +197,15 @@ class LlamaModel(nn.Module):
                 self._dense_from_int4_parts()
             else:
                 self.linear = Int4CpuLinear(self.linear, plan)
+                self.head_linear = self._int4_head_linear()
         prepare = self.linear.prepare
 
         def take(param: nn.Parameter, name: str) -> torch.Tensor | Int4Weight:
             parts = self._int4_parts.pop(name, None)
-            prepared = prepare(param) if parts is None else self._pack_int4(name, param, parts)
+            if name == "lm_head":
+                prepared = self.head_linear.prepare(param)
+            else:
+                prepared = prepare(param) if parts is None else self._pack_int4(name, param, parts)
             if prepared is not param:
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             return prepared
@@ -204,7 +216,8 @@ class LlamaModel(nn.Module):
                                 take(layer.gate_up, p + "gate_up"), take(layer.down, p + "down"))
 
         self._linears = [layer_linears(i, layer) for i, layer in enumerate(self.layers)]
-        self._head = prepare(self.embed) if self.lm_head is None else take(self.lm_head, "lm_head")
+        head = self.embed if self.lm_head is None else self.lm_head
+        self._head = self.head_linear.prepare(head) if self.lm_head is None else take(head, "lm_head")
         if self._int4_parts:
             raise ValueError(f"4-bit rows for parameters without a slot: {sorted(self._int4_parts)}")
 
@@ -219,6 +232,16 @@ class LlamaModel(nn.Module):
             self._copy_dense(param, parts)
             return self.linear.prepare(param)
         return pack(concat_rows([parts[o] for o in sorted(parts)]))
+
+    def _int4_head_linear(self):
+        """Beside int4 projections, a float32 LM head would be most of a decode step's bytes (113 of
+        180 MB for SmolLM2): where the CPU has native bf16 it is kept in bfloat16, the precision the
+        int4 kernel's activations have anyway."""
+        if self.dtype != torch.float32 or not cpu_has_fast_path(torch.bfloat16):
+            return self.linear
+        inner = PackedCpuLinear() if PackedCpuLinear.works(torch.bfloat16) else TorchLinear()
+        log.info("LM head in bfloat16 beside the int4 projections (%s)", inner.name)
+        return CastLinear(inner, torch.bfloat16)
 
     def _dense_from_int4_parts(self) -> None:
         params = dict(self.named_parameters())
@@ -276,5 +299,5 @@ class LlamaModel(nn.Module):
             act = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :]
             x = x + self.tp.all_reduce(linear(act, w.down, None))
         x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
-        logits = self.tp.all_gather_last_dim(linear(x, self._head, None).float())
+        logits = self.tp.all_gather_last_dim(self.head_linear(x, self._head, None).float())
         return logits[:, : cfg.vocab_size]

@@ -17,7 +17,6 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 
 import zmq
 
@@ -26,6 +25,7 @@ from evenflow.protocol import (
     ModelRunnerOutput, Outputs, Ready, RequestOutput, SchedulerOutput, SchedulerStats, UtilityCall,
     UtilityResult, WorkerConfig,
 )
+from evenflow.protocol.gguf_tokenizer import tokenizer_json_source
 
 from evenflow.core.admission import AdmissionLimits
 from evenflow.core.sched.config import SchedulerConfig
@@ -104,7 +104,7 @@ class EngineCore:
         sched_cfg.validate()
         self.workers.init_kv_cache(num_blocks)
         # A finished grammar compile wakes an idle loop through the inbox (None: no message).
-        grammars = StructuredOutputManager(Path(self.info.model_path) / "tokenizer.json", self.info.vocab_size,
+        grammars = StructuredOutputManager(tokenizer_json_source(self.info.model_path), self.info.vocab_size,
                                            self.info.eos_token_ids, wake=lambda: self.link.inbox.put(None))  # type: ignore[union-attr]
         grammars.prepare()
         self.scheduler = Scheduler(sched_cfg, grammars)

@@ -3,7 +3,7 @@
 ``tokenizer.json`` gives the vocabulary, the pipeline and which added tokens are special;
 ``tokenizer_config.json`` gives BOS/EOS, whether a BOS is prepended (``add_bos_token``) and the
 chat template (also read from ``chat_template.jinja``, or a file the user names). A GGUF file
-carries all of these as metadata (``evenflow.frontend.gguf_tokenizer``).
+carries all of these as metadata (``evenflow.protocol.gguf_tokenizer``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from evenflow.frontend.gguf_tokenizer import read_gguf_tokenizer
 from evenflow.protocol.gguf_file import is_gguf_path
+from evenflow.protocol.gguf_tokenizer import read_gguf_tokenizer
 
 
 class TokenizerLoadError(ValueError):

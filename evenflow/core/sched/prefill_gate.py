@@ -56,13 +56,15 @@ def survey_running(running: Sequence[Request], long_threshold: int) -> RunningSu
 class PrefillGate:
     """One step's limits on prefill chunks; ``limit`` before allocating, ``commit`` after."""
 
+    is_open = False  # True: limit() returns what it is given and commit() counts nothing
+
     @classmethod
     def for_step(cls, config: SchedulerConfig, long_threshold: int, running: Sequence[Request], num_waiting: int,
-                 choose_allowance: Callable[[RunningSurvey], int] | None) -> PrefillGate | None:
-        """The next step's gate (``choose_allowance``: the controller's choice), or None when
-        neither the allowance nor the bounds are on: the scheduler's default path pays nothing."""
+                 choose_allowance: Callable[[RunningSurvey], int] | None) -> PrefillGate:
+        """The next step's gate (``choose_allowance``: the controller's choice); an open one when
+        neither the allowance nor the bounds are on, so the default path surveys nothing."""
         if choose_allowance is None and config.max_num_partial_prefills == 1:
-            return None
+            return OPEN_GATE
         survey = survey_running(running, long_threshold)
         allowance = config.max_num_batched_tokens if choose_allowance is None else choose_allowance(survey)
         return cls(allowance, config.max_num_partial_prefills, config.max_long_partial_prefills, long_threshold,
@@ -111,3 +113,24 @@ class PrefillGate:
         self.allowance_left -= num_new
         self.prefill_tokens += num_new
         self.chunks.append((num_new, num_computed))
+
+
+class OpenPrefillGate(PrefillGate):
+    """The default gate: the step's token budget alone limits prefill chunks (one, stateless)."""
+
+    is_open = True
+
+    def __init__(self) -> None:
+        super().__init__(0, 1, 1, 0, RunningSurvey(), 0)
+
+    def long_slot_full(self, request: Request, num_computed: int) -> bool:
+        return False
+
+    def limit(self, request: Request, num_computed: int, num_new: int) -> int:
+        return num_new
+
+    def commit(self, request: Request, num_computed: int, num_new: int) -> None:
+        pass
+
+
+OPEN_GATE = OpenPrefillGate()

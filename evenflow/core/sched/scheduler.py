@@ -1,17 +1,21 @@
 """The scheduler: one token budget per step, shared by decodes and chunked prefills.
 
-Each step, RUNNING requests are served first, in order, each with as many of its remaining tokens
-as the budget allows; then, only if nobody had to be preempted, WAITING requests are admitted.
-When the KV cache cannot hold a chunk, the last RUNNING request (latest admitted under ``fcfs``,
-lowest priority under ``priority``) is preempted by recompute.
+``schedule()`` is three phases over one ``StepPlan``: the RUNNING requests, in order, each with as
+many of its remaining tokens as the budget allows (and its draft slots); then, only if nobody had to
+be preempted, the WAITING requests; then closing the step into a ``SchedulerOutput``. When the KV
+cache cannot hold a chunk, the last RUNNING request (latest admitted under ``fcfs``, lowest
+priority under ``priority``) is preempted by recompute. Each phase has one hook method for what
+LoRA (``_ready_to_admit``), KV offload (``_computed_blocks``, ``_close_step``) and a draft model
+(``_reserve_draft_slots``) add.
 
 ``schedule()`` advances ``num_computed_tokens`` at once and counts a placeholder for every token
 the step will sample, so the next step can be scheduled before this one's tokens are known (the
 workers fill those inputs from their own last sample). ``update_from_output()`` applies a step's
 tokens, possibly after a later step was scheduled, and runs the stop checks.
 
-Prefill chunks pass the step's ``PrefillGate`` when ``--target-itl-ms`` (the ``BudgetController``
-chooses how much prompt work rides along with the decodes) or ``--max-num-partial-prefills`` is on.
+Every prefill chunk passes the step's ``PrefillGate``: open by default (the token budget alone
+limits it); with ``--target-itl-ms`` the ``BudgetController`` chooses how much prompt work rides
+along with the decodes, and ``--max-num-partial-prefills`` bounds the prompts mid-prefill.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from evenflow.protocol import (
 
 from evenflow.core.sched.budget_controller import BudgetController
 from evenflow.core.sched.config import SchedulerConfig
-from evenflow.core.kv.manager import KVCacheManager
+from evenflow.core.kv.block_pool import KVBlock
+from evenflow.core.kv.manager import ComputedBlocks, KVCacheManager
 from evenflow.core.sched.prefill_gate import PrefillGate
+from evenflow.core.sched.step_plan import StepPlan
 from evenflow.core.request import FCFSQueue, PriorityQueue, Request, RequestStatus, WaitingQueue
 from evenflow.core.sched.draft_slots import SpecDecodeCounters, num_draft_slots
 from evenflow.core.sched.structured_output import StructuredOutputManager
@@ -109,31 +115,43 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step: which requests run, how many tokens each, with which blocks."""
         start = time.perf_counter()
+        step = self._open_step()
+        self._schedule_running(step)
+        if not step.preempted_req_ids:  # admitted requests would only preempt back
+            self._schedule_waiting(step)
+        output = self._close_step(step)
+        self._schedule_s += time.perf_counter() - start
+        return output
+
+    def _open_step(self) -> StepPlan:
+        """A fresh plan: the whole token budget, and this step's prefill gate (how much prompt
+        work rides along with the decodes; an open gate when only the token budget limits it)."""
         config = self.config
-        kv = self.kv_cache_manager
         step_id = self._next_step_id
         self._next_step_id += 1
-        token_budget = config.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        spec_decode_tokens: dict[str, list[int]] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        preempted_req_ids: list[str] = []
-        # How much prompt work rides along with the decodes (None: only the token budget limits it).
         controller = self.budget_controller
         gate = PrefillGate.for_step(config, self._long_threshold, self.running, len(self.waiting),
                                     None if controller is None else controller.prefill_allowance)
-        structured: list[Request] = []  # requests with a grammar that sample this step
+        return StepPlan(step_id=step_id, token_budget=config.max_num_batched_tokens, gate=gate,
+                        num_running_at_start=len(self.running))
 
-        # 1. RUNNING requests, in order. A victim is always behind the current index, so
-        #    nothing scheduled earlier in this step is ever taken back.
+    def _schedule_running(self, step: StepPlan) -> None:
+        """Phase 1: RUNNING requests, in order, each as many of its tokens as the budget allows.
+
+        When the KV cache is full the last RUNNING request is preempted; a victim is always behind
+        the current index, so nothing scheduled earlier in this step is ever taken back.
+        """
+        kv = self.kv_cache_manager
+        gate = step.gate
+        gated = not gate.is_open  # decodes dominate this loop: an open gate is not even called
+        speculative = self.config.speculative_config is not None
         running = self.running
-        num_running_at_start = len(running)
+        token_budget = step.token_budget
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
             num_new = self._num_new_tokens_running(request, token_budget)
-            if gate is not None and num_new > 0:
+            if gated and num_new > 0:
                 num_new = gate.limit(request, request.num_computed_tokens, num_new)
             if num_new <= 0:
                 index += 1
@@ -142,108 +160,143 @@ class Scheduler:
             while new_blocks is None:
                 victim = running.pop()
                 self._preempt(victim)
-                preempted_req_ids.append(victim.request_id)
+                step.preempted_req_ids.append(victim.request_id)
                 if victim is request:
                     break
                 new_blocks = kv.allocate_slots(request, num_new)
             if new_blocks is None:
                 break  # the request itself was the last one running
-            if gate is not None:
+            if gated:
                 gate.commit(request, request.num_computed_tokens, num_new)
-            req_id = request.request_id
-            num_slots = num_draft_slots(config.speculative_config, request, num_new, token_budget - num_new,
-                                        config.max_model_len, num_running_at_start)
-            # A draft never preempts anybody: with no room the request runs without.
-            more_blocks = kv.allocate_slots(request, num_new + num_slots) if num_slots else None
-            if more_blocks is not None:
-                new_blocks, num_new = new_blocks + more_blocks, num_new + num_slots
-                spec_decode_tokens[req_id] = [-1] * num_slots  # the worker fills them (spec_decode.py)
-            else:
-                num_slots = 0
-            new_block_ids = [block.block_id for block in new_blocks] if new_blocks else []
-            cached_reqs.append(CachedRequestData(req_id, new_block_ids, request.num_computed_tokens))
-            num_scheduled_tokens[req_id] = num_new
+            num_slots = 0
+            if speculative:
+                num_slots, more_blocks = self._reserve_draft_slots(step, request, num_new, token_budget - num_new)
+                num_new += num_slots
+                if more_blocks:
+                    new_blocks = new_blocks + more_blocks
+            step.cached_reqs.append(CachedRequestData(
+                req_id=request.request_id,
+                new_block_ids=[block.block_id for block in new_blocks] if new_blocks else [],
+                num_computed_tokens=request.num_computed_tokens))
+            step.num_scheduled_tokens[request.request_id] = num_new
             token_budget -= num_new
             self._advance(request, num_new, num_slots)
             if request.grammar is not None and request.num_output_placeholders:
-                structured.append(request)
+                step.structured.append(request)
             index += 1
+        step.token_budget = token_budget
 
-        # 2. WAITING requests, only when nobody was preempted (they would just preempt back).
-        if not preempted_req_ids:
-            skipped: list[Request] = []
-            while self.waiting and token_budget > 0 and len(self.running) < config.max_num_seqs:
-                request = self.waiting.peek()
-                if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
-                    if not request.is_finished:  # still compiling: keep its place, serve the others
-                        skipped.append(self.waiting.pop())
-                    continue
-                if request.num_output_placeholders > 0:
-                    # A token of an in-flight step is still owed to it.
-                    skipped.append(self.waiting.pop())
-                    continue
-                computed = kv.get_computed_blocks(request)  # the request trusts only the cache
-                num_new = self._clamp(request.num_tokens - computed.num_tokens, computed.num_tokens, token_budget)
-                if gate is not None:
-                    num_new = gate.limit(request, computed.num_tokens, num_new)
-                    if num_new <= 0:
-                        if gate.long_slot_full(request, computed.num_tokens):
-                            skipped.append(self.waiting.pop())  # shorter prompts behind it may go
-                            continue
-                        break
-                if kv.allocate_slots(request, num_new, computed) is None:
-                    break  # the pool is full: admit nobody behind it either
-                if gate is not None:
-                    gate.commit(request, computed.num_tokens, num_new)
-                self.waiting.pop()
-                req_id = request.request_id
-                block_ids = kv.get_block_ids(req_id)
-                if request.status == RequestStatus.WAITING:
-                    request.first_scheduled_step = step_id
-                    request.first_scheduled_time = time.time()
-                    request.num_cached_tokens = computed.num_tokens
-                    new_reqs.append(
-                        NewRequestData(
-                            req_id,
-                            list(request.prompt_token_ids),
-                            request.sampling_params,
-                            block_ids,
-                            computed.num_tokens,
-                        )
-                    )
-                else:  # back from preemption: the block table is replaced as a whole
-                    cached_reqs.append(CachedRequestData(req_id, block_ids, computed.num_tokens, True))
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = computed.num_tokens
-                self._add_running(request)
-                num_scheduled_tokens[req_id] = num_new
-                token_budget -= num_new
-                self._advance(request, num_new)
-                if request.grammar is not None and request.num_output_placeholders:
-                    structured.append(request)
-            for request in reversed(skipped):
-                self.waiting.add_front(request)
+    def _reserve_draft_slots(self, step: StepPlan, request: Request, num_new: int,
+                             budget_left: int) -> tuple[int, list[KVBlock]]:
+        """Phase 1's draft slots for a running request just given ``num_new`` tokens: how many,
+        and the blocks they took. A draft never preempts anybody: with no room the request runs
+        without. Hook: a draft model that needs its own KV reserves it here."""
+        num_slots = num_draft_slots(self.config.speculative_config, request, num_new, budget_left,
+                                    self.config.max_model_len, step.num_running_at_start)
+        if not num_slots:
+            return 0, []
+        more_blocks = self.kv_cache_manager.allocate_slots(request, num_new + num_slots)
+        if more_blocks is None:
+            return 0, []
+        step.spec_decode_tokens[request.request_id] = [-1] * num_slots  # the worker fills them (spec_decode.py)
+        return num_slots, more_blocks
 
-        finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
-        if token_budget < config.max_num_batched_tokens:
+    def _schedule_waiting(self, step: StepPlan) -> None:
+        """Phase 2: WAITING requests in queue order, while the budget, the seats and the blocks last."""
+        kv = self.kv_cache_manager
+        gate = step.gate
+        waiting = self.waiting
+        max_num_seqs = self.config.max_num_seqs
+        token_budget = step.token_budget
+        skipped: list[Request] = []  # keep their places, serve the others
+        while waiting and token_budget > 0 and len(self.running) < max_num_seqs:
+            request = waiting.peek()
+            if not self._ready_to_admit(request):
+                if not request.is_finished:
+                    skipped.append(waiting.pop())
+                continue
+            computed = self._computed_blocks(request)
+            num_computed = computed.num_tokens
+            num_new = self._clamp(request.num_tokens - num_computed, num_computed, token_budget)
+            num_new = gate.limit(request, num_computed, num_new)
+            if num_new <= 0:
+                if gate.long_slot_full(request, num_computed):
+                    skipped.append(waiting.pop())  # shorter prompts behind it may go
+                    continue
+                break
+            if kv.allocate_slots(request, num_new, computed) is None:
+                break  # the pool is full: admit nobody behind it either
+            gate.commit(request, num_computed, num_new)
+            waiting.pop()
+            self._admit(step, request, num_computed)
+            step.num_scheduled_tokens[request.request_id] = num_new
+            token_budget -= num_new
+            self._advance(request, num_new)
+            if request.grammar is not None and request.num_output_placeholders:
+                step.structured.append(request)
+        for request in reversed(skipped):
+            waiting.add_front(request)
+        step.token_budget = token_budget
+
+    def _ready_to_admit(self, request: Request) -> bool:
+        """Whether a waiting request may be admitted now; False: it keeps its place (or it has
+        finished: its grammar failed to compile). Hook: LoRA's adapter-slot limit goes here."""
+        if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+            return False
+        return request.num_output_placeholders == 0  # else a token of an in-flight step is owed to it
+
+    def _computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The prefix a waiting request need not compute (it trusts only the cache).
+        Hook: a KV offload tier adds the blocks it can load back here."""
+        return self.kv_cache_manager.get_computed_blocks(request)
+
+    def _admit(self, step: StepPlan, request: Request, num_computed: int) -> None:
+        """Make an allocated waiting request RUNNING; the workers hear of it as new, or, back from
+        preemption, as a cached request whose block table is replaced as a whole."""
+        req_id = request.request_id
+        block_ids = self.kv_cache_manager.get_block_ids(req_id)
+        if request.status == RequestStatus.WAITING:
+            request.first_scheduled_step = step.step_id
+            request.first_scheduled_time = time.time()
+            request.num_cached_tokens = num_computed
+            step.new_reqs.append(NewRequestData(
+                req_id=req_id, prompt_token_ids=list(request.prompt_token_ids),
+                sampling_params=request.sampling_params, block_ids=block_ids, num_computed_tokens=num_computed))
+        else:
+            step.cached_reqs.append(CachedRequestData(
+                req_id=req_id, new_block_ids=block_ids, num_computed_tokens=num_computed,
+                resumed_from_preemption=True))
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        self._add_running(request)
+
+    def _close_step(self, step: StepPlan) -> SchedulerOutput:
+        """Phase 3: the SchedulerOutput, with the step's extras (the grammar masks of the requests
+        that sample; the controller records what it allowed). Hook: LoRA's adapters and a KV
+        offload's load/store orders ride along here."""
+        max_tokens = self.config.max_num_batched_tokens
+        total = max_tokens - step.token_budget
+        if total:
             self._num_steps += 1  # steps that run something; step_id counts every call
-            self._num_scheduled_tokens += config.max_num_batched_tokens - token_budget
+            self._num_scheduled_tokens += total
+        finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         output = SchedulerOutput(
-            step_id=step_id,
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=config.max_num_batched_tokens - token_budget,
-            scheduled_spec_decode_tokens=spec_decode_tokens,
+            step_id=step.step_id,
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            scheduled_spec_decode_tokens=step.spec_decode_tokens,
             finished_req_ids=finished_req_ids,
-            preempted_req_ids=preempted_req_ids,
+            preempted_req_ids=step.preempted_req_ids,
         )
-        if controller is not None:
-            controller.record(output, gate)  # type: ignore[arg-type]  # a controller always opens a gate
-        if structured:
-            output.structured_output_req_ids = [request.request_id for request in structured]
-            output.grammar_bitmask = self.structured_output.fill_bitmask(structured)  # type: ignore[union-attr]
-        self._schedule_s += time.perf_counter() - start
+        if self.budget_controller is not None:
+            self.budget_controller.record(output, step.gate)
+        if step.structured:
+            grammars = self.structured_output
+            assert grammars is not None  # add_request refuses grammars without one
+            output.structured_output_req_ids = [request.request_id for request in step.structured]
+            output.grammar_bitmask = grammars.fill_bitmask(step.structured)
         return output
 
     def _num_new_tokens_running(self, request: Request, token_budget: int) -> int:

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from evenflow.protocol.gguf_tokenizer import tokenizer_json_text
 from evenflow.protocol.structured_outputs import (
     COMPILE_BUCKETS_S, MissingGrammarLibrary, import_llguidance, to_grammar,
 )
@@ -142,8 +143,9 @@ class StructuredOutputManager:
     def _build_tokenizer(self, ll: Any) -> Any:
         from tokenizers import Tokenizer
 
-        n_vocab = max(self.vocab_size, Tokenizer.from_file(str(self.tokenizer_file)).get_vocab_size(True))
-        return ll.LLTokenizer(self.tokenizer_file.read_text(), n_vocab=n_vocab, eos_token=self.eos_token_ids)
+        text = tokenizer_json_text(self.tokenizer_file)  # a GGUF file's is built from its metadata
+        n_vocab = max(self.vocab_size, Tokenizer.from_str(text).get_vocab_size(True))
+        return ll.LLTokenizer(text, n_vocab=n_vocab, eos_token=self.eos_token_ids)
 
     def _compile(self, ll: Any, kind: str, spec: str) -> Any:
         """On a pool thread: the template matcher (validation, construction and the first mask,

@@ -5,7 +5,8 @@ token's type (3: control, 4: user-defined), the BOS/EOS ids, ``add_bos_token`` a
 template are metadata. The pipeline built here is the one transformers builds from the same file
 (``integrations/gguf/gguf_tokenizer_mapping.py``), so ids agree with ``AutoTokenizer(gguf_file=)``.
 Only ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE: Llama 3, Qwen, SmolLM, ...) is built;
-a sentencepiece vocabulary needs ``--tokenizer DIR``.
+a sentencepiece vocabulary needs ``--tokenizer DIR``. In protocol because both the frontend
+(text <-> ids) and the engine-core (grammar masks, ``tokenizer_json_text``) need it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from evenflow.protocol.gguf_file import GGUFFileError, open_gguf
+from evenflow.protocol.gguf_file import GGUFFileError, is_gguf_path, open_gguf
 
 log = logging.getLogger(__name__)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -38,7 +39,7 @@ _GPT2_REGEX_PRES = ("gpt2", "smollm", "default", "gpt-2", "starcoder", "refact",
 
 @dataclass(frozen=True)
 class GGUFTokenizer:
-    """What ``evenflow.frontend.tokenizer.Tokenizer`` is made of, read from a GGUF file."""
+    """What the frontend's ``Tokenizer`` is made of, read from a GGUF file."""
 
     hf: HFTokenizer
     bos_token: str | None
@@ -116,3 +117,15 @@ def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
 
 def _token_at(tokens: list[str], token_id: int | None) -> str | None:
     return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+
+
+def tokenizer_json_source(model_path: str | Path) -> Path:
+    """Where a model's tokenizer.json text comes from: the GGUF file itself, or the folder's tokenizer.json."""
+    path = Path(model_path)
+    return path if is_gguf_path(path) else path / "tokenizer.json"
+
+
+def tokenizer_json_text(source: str | Path) -> str:
+    """tokenizer.json text of ``tokenizer_json_source``'s answer (built from the metadata for a GGUF)."""
+    source = Path(source)
+    return read_gguf_tokenizer(source).hf.to_str() if is_gguf_path(source) else source.read_text(encoding="utf-8")

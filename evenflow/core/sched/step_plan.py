@@ -1,0 +1,31 @@
+"""What one ``Scheduler.schedule()`` call builds: its phases fill a ``StepPlan`` in turn."""
+
+from __future__ import annotations
+
+from evenflow.protocol import CachedRequestData, NewRequestData
+
+from evenflow.core.request import Request
+from evenflow.core.sched.prefill_gate import PrefillGate
+
+
+class StepPlan:
+    """One step under construction: the budget left and what was scheduled so far.
+
+    A slotted class, not a dataclass: one is built per step, and default factories cost more than
+    the decodes of a small batch.
+    """
+
+    __slots__ = ("step_id", "token_budget", "gate", "num_running_at_start", "num_scheduled_tokens",
+                 "spec_decode_tokens", "new_reqs", "cached_reqs", "preempted_req_ids", "structured")
+
+    def __init__(self, step_id: int, token_budget: int, gate: PrefillGate, num_running_at_start: int) -> None:
+        self.step_id = step_id
+        self.token_budget = token_budget  # tokens left in the step
+        self.gate = gate  # this step's limits on prefill chunks
+        self.num_running_at_start = num_running_at_start  # before any preemption: what draft slots look at
+        self.num_scheduled_tokens: dict[str, int] = {}  # drafts included
+        self.spec_decode_tokens: dict[str, list[int]] = {}  # draft slots (-1), per request
+        self.new_reqs: list[NewRequestData] = []
+        self.cached_reqs: list[CachedRequestData] = []
+        self.preempted_req_ids: list[str] = []
+        self.structured: list[Request] = []  # requests with a grammar that sample this step

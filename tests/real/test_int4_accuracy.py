@@ -21,7 +21,7 @@ from evenflow.frontend.tokenizer import Tokenizer
 from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan
 from evenflow.worker.runner import ModelRunner
 from tests.worker.harness import Job, greedy, make_runner, run_jobs
-from tests.real.scoring import score
+from tests.real.scoring import Scored, score
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith "
         "from Mainz, combined movable metal type, oil-based ink and a wooden press adapted from those used to make "
@@ -29,7 +29,7 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "fifty years, presses were running in more than two hundred cities across Europe, and millions of books had "
         "been printed. Cheaper books spread literacy, helped scientists share their results, and changed how news "
         "and ideas travelled.")
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence."]
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 PPL_REL_TOL, MEAN_LOGIT_TOL, MAX_LOGIT_TOL, CLEAR_MARGIN = 0.01, 0.25, 2.0, 0.5
 DECODE_ROWS = 4  # rows a step through the int4 kernel: decode-sized, and 4x fewer forwards than 1 a step
 # Two loads of the real model and ~100 forwards: minutes on a shared 2-core machine.
@@ -58,11 +58,20 @@ def tokenizer(smollm2_tokenizer: Tokenizer) -> Tokenizer:
     return smollm2_tokenizer
 
 
+@pytest.fixture(scope="module")
+def text_ids(tokenizer: Tokenizer) -> list[int]:
+    return tokenizer.encode(TEXT)
+
+
+@pytest.fixture(scope="module")
+def text_reference(float32_runner: ModelRunner, text_ids: list[int]) -> Scored:
+    return score(float32_runner, text_ids, len(text_ids))
+
+
 @pytest.mark.parametrize("path", ["int4 kernel", "dequantized bfloat16", "dequantized float32"])
-def test_int4_logits_and_perplexity_track_the_float32_path(path: str, float32_runner: ModelRunner,
-                                                            int4_runner: ModelRunner, tokenizer: Tokenizer) -> None:
-    ids = tokenizer.encode(TEXT)
-    reference = score(float32_runner, ids, len(ids))
+def test_int4_logits_and_perplexity_track_the_float32_path(path: str, text_reference: Scored,
+                                                            int4_runner: ModelRunner, text_ids: list[int]) -> None:
+    ids, reference = text_ids, text_reference
     kernel = int4_runner.model.linear
     saved = kernel.plan
     try:  # the path under test, whatever this machine's start-up measurement chose
@@ -83,7 +92,7 @@ def test_int4_logits_and_perplexity_track_the_float32_path(path: str, float32_ru
 def test_int4_greedy_agrees_wherever_the_float32_choice_is_clear(float32_runner: ModelRunner,
                                                                  int4_runner: ModelRunner,
                                                                  tokenizer: Tokenizer) -> None:
-    max_tokens = 16
+    max_tokens = 12
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
         continuation = run_jobs(float32_runner, [Job("a", ids, max_tokens, params=greedy(max_tokens))],

@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from evenflow.bench.roofline import StepSplit, profile_decode
 from evenflow.protocol import WorkerConfig
 from evenflow.worker.runner import ModelRunner
@@ -34,6 +36,7 @@ def _engine_args(model: str, mode: str) -> dict[str, object]:
 
 def in_process_split(model: str, mode: str, context: int, threads: int, steps: int) -> StepSplit:
     args = _engine_args(model, mode)
+    torch.set_num_threads(threads)  # the runner sets its threads per step in execute_model, not called here
     runner = ModelRunner(WorkerConfig(model=model, device="cpu", block_size=16, max_model_len=context + 16,
                                       num_kv_blocks=context // 16 + 2, num_threads=threads, **args))
     return profile_decode(runner, 1, context, steps)

@@ -43,7 +43,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes per worker; None: sized by the worker
     num_kv_blocks: int | None = None
     dtype: str = "auto"
-    quantization: str | None = None  # None: keep a GGUF's Q4_0/Q4_1 projections 4-bit where that is faster
+    quantization: str | None = None  # None: follows --dtype (auto: GGUF Q4 projections 4-bit where faster)
     device: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", default=d.dtype, help="model dtype: auto, float32, float16, bfloat16")
     a("--quantization", "-q", choices=("gguf", "none"), default=None,
       help="GGUF Q4_0/Q4_1 projections: gguf keeps them 4-bit (int4 kernel), none dequantizes them to --dtype "
-           "(default: keep them 4-bit where a start-up measurement finds the int4 kernel faster)")
+           "(default: with --dtype auto keep them 4-bit where a start-up measurement finds the int4 kernel "
+           "faster; an explicit --dtype dequantizes them to it)")
     a("--device", default=d.device, help="worker device: auto, cpu, cuda")
     a("--seed", type=int, default=d.seed, help="random seed of the workers")
     a("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, help="worker processes (ranks)")

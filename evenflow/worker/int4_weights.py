@@ -1,10 +1,12 @@
 """Which GGUF tensors stay 4-bit: the loader offers each raw tensor here before dequantizing it.
 
 ``--quantization`` (vLLM's flag): ``none`` dequantizes everything to ``--dtype`` (the exact
-float32 reference path); ``gguf`` keeps Q4_0/Q4_1 projections 4-bit; unset, they are kept 4-bit
-and the model drops them back to dense at load if the start-up measurement finds the int4 kernel
-slower than float32 on this CPU (see evenflow/worker/models/int4_linear.py). Embeddings and the
-LM head are never offered: they stay as the GGUF holds them, dequantized.
+float32 reference path); ``gguf`` keeps Q4_0/Q4_1 projections 4-bit. Unset, it follows ``--dtype``:
+with ``auto`` (the default) they are kept 4-bit and the model drops them back to dense at load if
+the start-up measurement finds the int4 kernel slower than float32 on this CPU (see
+evenflow/worker/models/int4_linear.py); an explicit ``--dtype float32`` (or bfloat16, float16) asks
+for weights in that dtype and gets them dequantized. Embeddings and the LM head are never offered:
+they stay as the GGUF holds them, dequantized.
 """
 
 from __future__ import annotations
@@ -15,6 +17,14 @@ from evenflow.worker.models.llama import LlamaModel, WeightSpec
 from evenflow.worker.models.q4_blocks import INT4_TYPES, split_blocks
 
 QUANTIZATION_CHOICES = (None, "gguf", "none")
+
+
+def effective_quantization(quantization: str | None, requested_dtype: str) -> str | None:
+    """``--quantization`` as given, or for an unset one: None (keep 4-bit where faster) under
+    ``--dtype auto``, ``none`` under an explicit dtype."""
+    if quantization is not None or requested_dtype == "auto":
+        return quantization
+    return "none"
 
 
 def check_quantization(quantization: str | None) -> None:

@@ -1,6 +1,7 @@
 """A Q4_0/Q4_1 GGUF through the loader (tests write it from a random-weight llama): ``--quantization
 gguf`` keeps every projection 4-bit and the LM head dequantized, the logits track the float32
-path's on the same file, ``none`` stays the exact dequantized path, and the flag's misuses are refused."""
+path's on the same file, ``none`` stays the exact dequantized path, unset follows ``--dtype``, and
+the flag's misuses are refused."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan
+from evenflow.protocol import WorkerConfig
+from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan, int4_plan
+from evenflow.worker.models.linear import cpu_has_fast_path
 from evenflow.worker.models.q4_blocks import Int4Weight
+from evenflow.worker.runner import ModelRunner
 
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
@@ -50,3 +54,15 @@ def test_quantization_flag_misuse_is_refused(written: dict[str, Path], tiny_llam
         make_runner(tiny_llama, num_blocks=16, quantization="gguf")
     with pytest.raises(ValueError, match="unknown quantization 'awq'"):
         make_runner(written["q4_1"], num_blocks=16, quantization="awq")
+
+
+def test_unset_quantization_follows_the_dtype(written: dict[str, Path]) -> None:
+    """An explicit --dtype asks for weights in that dtype (the float32 reference path stays exact);
+    --dtype auto keeps the 4-bit projections wherever the start-up plan found the int4 kernel faster."""
+    explicit = make_runner(written["q4_1"], num_blocks=16)  # the harness passes --dtype float32
+    assert not explicit.model.int4_param_names()
+    auto = ModelRunner(WorkerConfig(model=str(written["q4_1"]), dtype="auto", device="cpu", block_size=8,
+                                    max_model_len=64, num_kv_blocks=16))
+    gate_up = (2 * auto.model.intermediate, auto.model_config.hidden_size)
+    faster = int4_plan(gate_up, cpu_has_fast_path(torch.bfloat16)).max_int4_rows > 0  # the plan it measured
+    assert bool(auto.model.int4_param_names()) == faster

@@ -233,7 +233,7 @@ class LlamaModel(nn.Module):
             return self.linear.prepare(param)
         return pack(concat_rows([parts[o] for o in sorted(parts)]))
 
-    def _int4_head_linear(self):
+    def _int4_head_linear(self) -> CastLinear | Int4CpuLinear:
         """Beside int4 projections, a float32 LM head would be most of a decode step's bytes (113 of
         180 MB for SmolLM2): where the CPU has native bf16 it is kept in bfloat16, the precision the
         int4 kernel's activations have anyway."""

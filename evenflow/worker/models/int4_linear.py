@@ -1,11 +1,12 @@
 """The int4 linear: GGUF Q4 weights kept 4-bit, the kernel chosen per step shape by a measurement.
 
 Decode is bound by the bytes of weights a step reads, and torch's CPU int4 kernel
-(``_weight_int4pack_mm_for_cpu``, bfloat16 activations) reads 0.56 bytes a parameter against
-float32's 4; but it does the dequantization per row, so from some tens of rows a dense GEMM on the
-weight dequantized once for the step (bfloat16 where the CPU has native bf16, else float32) is
-faster. Where that crossover lies differs by CPU, so ``measure_int4_plan`` times both at start-up on
-the model's own projection shapes and ``Int4CpuLinear`` uses the plan; the choice is logged.
+(``_weight_int4pack_mm_for_cpu``, bfloat16 activations) reads 0.625 bytes a parameter (4 bits, a
+bf16 scale and zero per 32) against float32's 4; but it dequantizes per row, so from some tens of
+rows a dense GEMM on the weight dequantized once for the step (bfloat16 where the CPU has native
+bf16, else float32) is faster. Where that crossover lies differs by CPU, so ``measure_int4_plan``
+times both at start-up on the model's widest projection and ``Int4CpuLinear`` uses the plan; the
+choice is logged.
 
 Only the projections are int4. Dense weights (the embeddings and LM head, 4-bit tensors whose
 rows do not fill the kernel's 64-row tiles) go through the dense kernel this wraps.
@@ -59,7 +60,6 @@ class Int4CpuLinear:
         else:
             y = F.linear(x.to(self.plan.dense_dtype), weight.dequantize(self._scratch_for(weight))).to(x.dtype)
         return y if bias is None else y + bias
-
 
     def _scratch_for(self, weight: Int4Weight) -> torch.Tensor:
         key = (weight.out_features, weight.in_features, self.plan.dense_dtype)

@@ -44,6 +44,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes per worker; None: sized by the worker
     num_kv_blocks: int | None = None
     dtype: str = "auto"
+    quantization: str | None = None  # None: follows --dtype (auto: GGUF Q4 projections 4-bit where faster)
     device: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -184,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
            "CUDA 90%% of the device after the weights and the largest step)")
     a("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides sizing)")
     a("--dtype", default=d.dtype, help="model dtype: auto, float32, float16, bfloat16")
+    a("--quantization", "-q", choices=("gguf", "none"), default=None,
+      help="GGUF Q4_0/Q4_1 projections: gguf keeps them 4-bit (int4 kernel), none dequantizes them to --dtype "
+           "(default: with --dtype auto keep them 4-bit where a start-up measurement finds the int4 kernel "
+           "faster; an explicit --dtype dequantizes them to it)")
     a("--device", default=d.device, help="worker device: auto, cpu, cuda")
     a("--seed", type=int, default=d.seed, help="random seed of the workers")
     a("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, help="worker processes (ranks)")

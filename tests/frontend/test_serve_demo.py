@@ -32,6 +32,7 @@ def test_serve_without_arguments_offline_streams_from_the_random_demo(tmp_path: 
                   **OFFLINE_PIP})
     try:
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200, 180, [proc], [log])
+        wait_for(lambda: "evenflow: serving" in log.read_text(), 10, [proc], [log])  # said once /health answers
         banner = log.read_text()
         assert "RANDOM" in banner and f"http://127.0.0.1:{port}" in banner
         reason = [ln for ln in banner.splitlines() if ln.startswith("evenflow: cannot fetch the real demo model: ")]

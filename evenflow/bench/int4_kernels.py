@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan
 from evenflow.worker.models.linear import PackedCpuLinear, TorchLinear
 from evenflow.worker.models.q4_blocks import GROUP, Q4Rows, pack

@@ -2,6 +2,7 @@
 
     python scripts/chaos.py --duration 600            # the 10-minute proof (loopback only)
     python scripts/chaos.py --duration 40 --quick     # the short version the test suite runs
+    python scripts/chaos.py --stalls 1,4,8,20         # only the stall matrix (evenflow/bench/chaos_stalls.py)
 
 Two phases share the duration. "parts" (70%): one engine-core and --frontends evenflow-frontends,
 each on its own port; every --fault-every seconds the next fault of FAULTS strikes while the load
@@ -229,6 +230,22 @@ async def main_async(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def stalls_main(args: argparse.Namespace) -> int:
+    from evenflow.bench.chaos_stalls import render_stalls, stall_matrix
+
+    work = Path(tempfile.mkdtemp(prefix="evenflow-stalls-"))
+    model = args.model
+    if model is None:
+        from evenflow.frontend.demo_model import ensure_demo_model
+
+        model = str(ensure_demo_model(work / "demo-model"))
+    flags = ["--served-model-name", "demo", "--max-model-len", "2048", "--max-num-seqs", "16",
+             "--max-num-batched-tokens", "128", "--num-kv-blocks", "512", "--worker-threads", "1"]
+    rows = stall_matrix(model, work, flags, [float(x) for x in args.stalls.split(",")])
+    print(render_stalls(rows))
+    return 1 if any(r.failed or r.health_non_200 for r in rows) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load in all (both phases)")
@@ -241,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-queued-reqs", type=int, default=48)
     p.add_argument("--fault-steps", type=int, default=150, help="forward_fault: steps before the forward raises")
     p.add_argument("--quick", action="store_true", help="short-run settings (the suite): faults every 3 s")
+    p.add_argument("--stalls", default=None,
+                   help="comma-separated seconds: run only the stall matrix (SIGSTOP of the engine-core, a worker and "
+                        "a frontend for each duration under streaming load) and print its table")
     args = p.parse_args(argv)
+    if args.stalls:
+        return stalls_main(args)
     if args.quick:
         args.fault_every, args.clients, args.burst, args.frontends, args.fault_steps = 3.0, 6, 48, 2, 20
     if args.duration <= 0 or not math.isfinite(args.duration):

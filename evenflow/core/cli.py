@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cfg.nnodes > 1:
             read_secret(cfg.dist_secret_file)  # missing or short: a usage error, before anything starts
     except (ConfigError, ValueError, OSError) as e:
-        build_parser().print_usage(sys.stderr)
+        # One line naming the value and what was expected (argparse's own errors carry the usage).
         print(f"engine-core: error: {e}", file=sys.stderr)
         return 2
     log.info("settings:\n%s", cfg.describe())

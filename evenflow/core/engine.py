@@ -17,7 +17,7 @@ import zmq
 
 from evenflow.protocol import (
     ERR_DUPLICATE_ID, ERR_ENGINE_SHUTDOWN, ERR_INVALID_REQUEST, ERR_OVERLOADED, ERR_REQUEST_TIMEOUT, ERR_WORKER_DIED,
-    PROTOCOL_VERSION, Abort, AddRequest, Error, Outputs, Ready, RequestOutput, SchedulerStats, UtilityCall,
+    PROTOCOL_VERSION, Abort, AddRequest, Error, Hold, Outputs, Ready, RequestOutput, SchedulerStats, UtilityCall,
     UtilityResult,
 )
 from evenflow.protocol.executor import Executor
@@ -36,6 +36,7 @@ from evenflow.core.request import Request
 from evenflow.core.routing import RequestRouter
 from evenflow.core.sched.scheduler import Scheduler
 from evenflow.core.sched.structured_output import StructuredOutputManager
+from evenflow.core.step_watchdog import StepTimeout, StepWatchdog
 from evenflow.core.workers import WorkerFailure, WorkerGroup
 
 log = logging.getLogger("evenflow.core.engine")
@@ -106,6 +107,10 @@ class EngineCore:
                                            self.info.eos_token_ids, wake=lambda: self.link.inbox.put(None))
         grammars.prepare()
         scheduler = Scheduler(sched_cfg, grammars)
+        if isinstance(self.executor, WorkerGroup):  # the in-process executor runs in the caller's own time
+            controller = scheduler.budget_controller
+            self.executor.watchdog = StepWatchdog(self.cfg.step_timeout,
+                                                  None if controller is None else controller.predicted_s)
         if self.cfg.enable_prefix_caching:
             self._kv_events = scheduler.kv_cache_manager.pool.events = KVEventLog()
         self._loop = EngineLoop(scheduler, self.executor, self.cfg.async_scheduling)
@@ -140,7 +145,7 @@ class EngineCore:
                 progressed = self._step()
             self._shutdown_gracefully(self._stop_reason)
             return 0
-        except WorkerFailure as e:
+        except (WorkerFailure, StepTimeout) as e:
             log.error("%s", e)
             self._fail_everyone(Error(ERR_WORKER_DIED, str(e), fatal=True))
             return 1
@@ -214,6 +219,9 @@ class EngineCore:
         msg = item.msg
         if isinstance(msg, AddRequest):
             self._add_request(item.identity, item.client_index, msg)
+        elif isinstance(msg, Hold):
+            self.scheduler.hold_requests(  # type: ignore[union-attr]
+                (RequestRouter.engine_id(item.client_index, rid) for rid in msg.request_ids), msg.hold)
         elif isinstance(msg, Abort):
             eids = [eid for rid in msg.request_ids
                     if (eid := RequestRouter.engine_id(item.client_index, rid)) in self._router]

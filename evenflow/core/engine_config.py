@@ -12,6 +12,9 @@ from typing import Sequence
 from evenflow.protocol import MAX_FRAME_BYTES, SpeculativeConfig, parse_speculative_config
 from evenflow.protocol.curve import is_loopback
 from evenflow.protocol.gguf_file import is_gguf_path
+from evenflow.protocol.liveness import DEFAULT_SILENCE_TIMEOUT_S
+
+from evenflow.core.step_watchdog import DEFAULT_STEP_TIMEOUT_S
 
 from evenflow.core.sched.config import DEFAULT_MAX_NUM_SEQS, SCHEDULING_POLICIES, ConfigError, check_prefill_limits, check_scheduler_limits
 
@@ -48,7 +51,10 @@ class EngineConfig:
     load_format: str = "auto"
     max_frame_bytes: int = MAX_FRAME_BYTES
     worker_start_timeout: float = 600.0
-    client_timeout: float = 3.0  # a frontend silent this long is dropped and its requests aborted
+    # A frontend silent this long (of the engine's running time) is dropped and its requests aborted;
+    # a frontend that died is noticed by its closed connection instead, in milliseconds.
+    client_timeout: float = DEFAULT_SILENCE_TIMEOUT_S
+    step_timeout: float = DEFAULT_STEP_TIMEOUT_S  # a step running longer: the workers hang (step_watchdog.py)
     worker_threads: int | None = None
     # Reliability (admission limits, deadlines): None / 0 = off.
     max_num_queued_reqs: int | None = None
@@ -92,8 +98,8 @@ class EngineConfig:
             raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.worker_start_timeout <= 0 or self.client_timeout <= 0:
-            raise ConfigError("--worker-start-timeout and --client-timeout must be positive")
+        if self.worker_start_timeout <= 0 or self.client_timeout <= 0 or self.step_timeout <= 0:
+            raise ConfigError("--worker-start-timeout, --client-timeout and --step-timeout must be positive")
         check_prefill_limits(self.max_num_partial_prefills, self.max_long_partial_prefills, self.target_itl_ms)
         for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -186,7 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--worker-start-timeout", type=float, default=d.worker_start_timeout,
       help="seconds to wait for every worker's handshake")
     a("--client-timeout", type=float, default=d.client_timeout,
-      help="seconds of silence after which a frontend is dropped and its requests aborted")
+      help="seconds of silence (of this process's running time: its own pauses do not count) after which a "
+           "frontend is dropped and its requests aborted; a frontend that exits is noticed at once by its "
+           "closed connection")
+    a("--step-timeout", type=float, default=d.step_timeout,
+      help="seconds one step may run (of this process's running time) before the engine-core counts its workers "
+           "as hung, fails every request with that cause and exits non-zero; a step 10x past its predicted time "
+           "is logged with its shape first")
     a("--worker-threads", type=int, default=None,
       help="torch threads per worker for every step (default on CPU: a step estimated to take 15 ms or more "
            "on one thread uses every core, a shorter one leaves one free; divided by tensor-parallel-size)")

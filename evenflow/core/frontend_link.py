@@ -3,8 +3,10 @@
 * The IO thread owns the ROUTER. It decodes every frame, answers what needs no scheduler state
   itself (Hello -> Ready or a version Error, Heartbeat -> Outputs with the latest stats, bad frames
   and invalid requests -> Error) and hands the rest to the engine loop through ``inbox``. It also
-  decides liveness: a client silent for ``client_timeout`` seconds, or one the ROUTER can no longer
-  route to after a disconnect event, is reported as ``ClientGone``.
+  decides liveness: a client the ROUTER can no longer route to after a disconnect event (milliseconds
+  after its process died), or one silent for ``client_timeout`` seconds of this thread's running
+  time (evenflow/protocol/liveness.py: a pause of this process is not the client's silence), is
+  reported as ``ClientGone``.
 * The encoder thread takes ``(identity, message)`` pairs from the engine loop, encodes them and
   passes the bytes to the IO thread over an inproc pipe (ZMQ sockets are single-threaded).
 
@@ -33,6 +35,7 @@ from evenflow.protocol import (
 
 from evenflow.protocol.codec import engine_codec
 from evenflow.protocol.curve import serve_curve
+from evenflow.protocol.liveness import RunningClock
 from evenflow.protocol.request_envelope import RequestRefused
 from evenflow.protocol.validation import check_add_request
 
@@ -40,6 +43,8 @@ log = logging.getLogger("evenflow.core.frontend_link")
 
 _UNICAST, _BROADCAST, _GONE_HANDLED = b"u", b"b", b"g"
 _PROBE_DELAYS_S = (0.0, 0.1, 0.5, 1.5)  # after a disconnect event, until the pipe is gone
+_POLL_MS = 100
+_CLOCK_MAX_STEP_S = 0.5  # the IO loop wakes every _POLL_MS: a longer gap is a pause of this process
 
 
 @dataclass
@@ -64,7 +69,7 @@ class ClientGone:
 class _Client:
     index: int
     name: str
-    last_seen: float
+    last_seen: float  # on the IO thread's RunningClock
 
 
 class FrontendLink:
@@ -78,6 +83,7 @@ class FrontendLink:
         self._ready = ready
         self._codec: Codec[FrontendToEngine] = engine_codec(max_frame_bytes)
         self._client_timeout = client_timeout
+        self._clock = RunningClock(_CLOCK_MAX_STEP_S)  # read by the IO thread only
         self._curve_keys = curve_keys  # a key folder: CURVE-encrypt and authenticate (evenflow/protocol/curve.py)
         # (identity or None for all, message); a message of None marks a ClientGone as handled.
         self._outbox: queue.Queue[tuple[bytes | None, msgspec.Struct | None] | None] = queue.Queue()
@@ -181,7 +187,8 @@ class FrontendLink:
         last_sweep = time.monotonic()
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(100))
+                events = dict(poller.poll(_POLL_MS))
+                self._clock.now()  # every wake-up: a pause of this process shows as one long gap
                 if router in events:
                     _drain(router, lambda frames: self._on_frames(router, frames))
                 if pipe in events:
@@ -194,9 +201,10 @@ class FrontendLink:
                 if probes and min(probes) <= now:
                     probes = [t for t in probes if t > now]
                     self._probe_all(router)
-                if now - last_sweep > 0.2:
+                # Frames still waiting were sent before any verdict could be fair: read them first.
+                if now - last_sweep > 0.2 and not router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     last_sweep = now
-                    self._drop_silent(router, now)
+                    self._drop_silent(router, self._clock.now())
         finally:
             router.disable_monitor()
             monitor.close(0)
@@ -232,7 +240,7 @@ class FrontendLink:
         identity = frames[0].bytes
         client = self._clients.get(identity)
         if client is not None:
-            client.last_seen = time.monotonic()
+            client.last_seen = self._clock.now()
         if len(frames) != 2:
             self._bad(router, identity, f"expected one frame per message, got {len(frames) - 1}")
             return
@@ -262,7 +270,7 @@ class FrontendLink:
                 self._reply(router, identity, Error(ERR_INVALID_REQUEST, problem.message, msg.request_id))
             else:
                 self.inbox.put(ClientMessage(identity, client.index, msg))
-        else:  # Abort, UtilityCall
+        else:  # Abort, Hold, UtilityCall
             self.inbox.put(ClientMessage(identity, client.index, msg))
 
     def _bad(self, router: zmq.Socket, identity: bytes, reason: str) -> None:
@@ -277,7 +285,7 @@ class FrontendLink:
             self._reply(router, identity, Error(ERR_VERSION, text, fatal=True))
             return
         if identity not in self._clients:
-            self._clients[identity] = _Client(self._next_index, hello.client_name, time.monotonic())
+            self._clients[identity] = _Client(self._next_index, hello.client_name, self._clock.now())
             log.info("client %d connected (%s)", self._next_index, hello.client_name or identity.hex())
             self._next_index += 1
         self._reply(router, identity, self._ready)
@@ -289,11 +297,11 @@ class FrontendLink:
             for identity in list(self._clients):
                 self._send_frame(router, identity, frame)
 
-    def _drop_silent(self, router: zmq.Socket, now: float) -> None:
+    def _drop_silent(self, router: zmq.Socket, running: float) -> None:
         for identity, c in list(self._clients.items()):
-            if now - c.last_seen > self._client_timeout:
-                reason = (f"silent for {now - c.last_seen:.1f} s "
-                          f"(the engine's client timeout is {self._client_timeout:g} s)")
+            if running - c.last_seen > self._client_timeout:
+                reason = (f"silent for {running - c.last_seen:.1f} s of the engine's running time "
+                          f"(--client-timeout {self._client_timeout:g} s)")
                 self._forget(identity, reason)
                 # Sent from this thread, so it precedes every answer to a later frame of that client.
                 # (A client whose connection is gone cannot be told: its next message gets no_hello.)

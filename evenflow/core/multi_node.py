@@ -90,8 +90,12 @@ class SecuredLinks:
             sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         steps.setsockopt(zmq.XPUB_VERBOSER, 1)  # an unsubscription for every subscriber that leaves
-        steps.bind(layout.steps_addr)
-        results.bind(layout.results_addr)
+        try:
+            steps.bind(layout.steps_addr)
+            results.bind(layout.results_addr)
+        except zmq.ZMQError:  # e.g. a port in use: no authenticator thread left behind
+            self._auth.stop()
+            raise
         self._steps = steps
         self.lost: str | None = None
         log.info("worker links for %d hosts on %s (steps) and %s (results), CURVE keyed by the shared secret; "

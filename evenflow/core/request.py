@@ -109,6 +109,7 @@ class Request:
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
+        self.held = False  # its reader is behind (a Hold): not scheduled until released
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None  # the stop token that ended it (not EOS)
 

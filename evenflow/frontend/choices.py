@@ -10,6 +10,7 @@ import msgspec
 from evenflow.protocol import SamplingParams
 
 MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024  # each one; every delta of every choice is checked against every string
 
 
 class InvalidRequest(ValueError):
@@ -39,6 +40,10 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop)
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    longest = max(stops, key=len, default="")
+    if len(longest) > MAX_STOP_STRING_CHARS:
+        raise InvalidRequest(f"a stop string of {len(longest)} characters is over the limit of "
+                             f"{MAX_STOP_STRING_CHARS}", "stop")
     return [s for s in stops if s]
 
 

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from evenflow.protocol.lifeline import die_with_parent
 
-from evenflow.frontend.flags import add_frontend_flags, routing_config
+from evenflow.frontend.flags import add_frontend_flags, http_limits, routing_config
 from evenflow.frontend.api.server import ServerConfig, build_app, connect_context, reuseport_socket, serve_app
 
 
@@ -52,9 +52,13 @@ async def _run_frontend(args: argparse.Namespace) -> None:
         chat_template=args.chat_template, tokenizer=args.tokenizer, log_stats=args.log_stats,
         connect_timeout=args.connect_timeout, frontend_name=args.frontend_name,
         metrics_dir=os.environ.get("EVENFLOW_METRICS_DIR"), max_body_bytes=args.max_request_body_bytes,
-        curve_keys=args.curve_keys,
+        curve_keys=args.curve_keys, engine_timeout=args.engine_timeout, http_limits=http_limits(args),
+        timeout_keep_alive=args.timeout_keep_alive, stuck_reader_timeout=args.stuck_reader_timeout,
     )
     log = logging.getLogger("evenflow.frontend")
+    config.http_limits.max_connections = _fit_connections_to_fd_limit(config.http_limits.max_connections, log)
+    if (warning := open_port_warning(args.host, args.api_key)) is not None:
+        log.warning(warning)
     ctx = await connect_context(config)
 
     async def given() -> object:
@@ -65,9 +69,37 @@ async def _run_frontend(args: argparse.Namespace) -> None:
     log.info("serving %s (max_model_len %d) on http://%s:%d, engine %s", ctx.model_name, ctx.max_model_len,
              args.host, sock.getsockname()[1], ", ".join(args.engine))
     try:
-        await serve_app(build_app(config, given), sock)  # type: ignore[arg-type]
+        await serve_app(build_app(config, given), sock, config)  # type: ignore[arg-type]
     finally:
         sock.close()
+
+
+def open_port_warning(host: str, api_key: str | None) -> str | None:
+    """The start-up warning for an HTTP port other hosts can reach with no API key required."""
+    if api_key or host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
+        return None
+    return (f"serving on --host {host} without an API key: anyone who can reach this port can use it "
+            f"(set EVENFLOW_API_KEY or --api-key)")
+
+
+def _fit_connections_to_fd_limit(wanted: int, log: logging.Logger) -> int:
+    """Raise the soft file-descriptor limit to the hard one (systemd's soft default is 1024), and keep
+    --max-connections below it, with room for the engine link, logs and the metrics folder."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    room = max(16, soft - 64)
+    if wanted > room:
+        log.warning("--max-connections %d lowered to %d: the file-descriptor limit is %d", wanted, room, soft)
+        return room
+    return wanted
 
 
 def frontend_main(argv: Sequence[str] | None = None) -> int:

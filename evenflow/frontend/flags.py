@@ -6,6 +6,9 @@ import argparse
 import os
 
 from evenflow.frontend.api.context import DEFAULT_MAX_BODY_BYTES
+from evenflow.frontend.api.http_guard import HttpLimits
+from evenflow.frontend.clients.backpressure import DEFAULT_STUCK_READER_TIMEOUT_S
+from evenflow.frontend.clients.engine_client import DEAD_AFTER_S
 from evenflow.frontend.clients.router import ROUTING_POLICIES, RoutingConfig
 
 
@@ -20,7 +23,37 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the engine's)")
     p.add_argument("--chat-template", default=None, help="jinja2 chat template file (overrides the model's)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the engine's model folder)")
+    p.add_argument("--engine-timeout", type=_positive, default=DEAD_AFTER_S,
+                   help="seconds of engine-core silence (of this process's running time: its own pauses do not "
+                        "count) after which its requests fail; an engine-core that exits is noticed at once by "
+                        "its closed connection")
+    p.add_argument("--stuck-reader-timeout", type=_positive, default=DEFAULT_STUCK_READER_TIMEOUT_S,
+                   help="seconds a request may stay held because its client reads none of its output (the engine "
+                        "generates nothing for it meanwhile) before it is aborted and its KV cache freed")
+    add_http_limit_flags(p)
     add_routing_flags(p)
+
+
+def add_http_limit_flags(p: argparse.ArgumentParser) -> None:
+    """Connection hygiene (evenflow/frontend/api/http_guard.py)."""
+    d = HttpLimits()
+    p.add_argument("--header-timeout", type=_positive, default=d.header_timeout_s,
+                   help="seconds a client has to send a request's head (and each chunk of its body); else 408 "
+                        "and the connection is closed (slowloris, silent sockets)")
+    p.add_argument("--timeout-keep-alive", type=_positive, default=5.0,
+                   help="seconds an idle kept-alive connection stays open between requests")
+    p.add_argument("--h11-max-incomplete-event-size", type=int, default=d.max_head_bytes,
+                   help="largest request head (request line + headers) in bytes; larger: 431")
+    p.add_argument("--h11-max-header-count", type=int, default=d.max_header_count,
+                   help="most headers in one request; more: 431")
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="most open HTTP connections of this frontend (capped below its file-descriptor "
+                        "limit); one more is answered 503 and closed, with a log line")
+
+
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    return HttpLimits(args.header_timeout, args.h11_max_incomplete_event_size, args.h11_max_header_count,
+                      args.max_connections)
 
 
 def add_routing_flags(p: argparse.ArgumentParser) -> None:
@@ -38,3 +71,10 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
 
 def routing_config(args: argparse.Namespace) -> RoutingConfig:
     return RoutingConfig(args.routing_policy, args.routing_balance_abs_threshold, args.routing_balance_rel_threshold)
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value

@@ -21,6 +21,8 @@ from evenflow.frontend.outputs import ChoiceAssembler, ChoiceDelta
 from evenflow.frontend.tokenizer import Tokenizer
 from evenflow.frontend.choices import ChoicePlan
 
+_MERGED_PER_JOB = 4  # deltas of each choice waiting for the consumer of a merged stream
+
 # Detached abort tasks: kept referenced until done (asyncio holds tasks only weakly).
 _background: set[asyncio.Task] = set()
 
@@ -184,18 +186,20 @@ class Generation:
         return delta
 
     async def _run_merged(self) -> AsyncIterator[tuple[ChoiceJob, ChoiceDelta]]:
-        queue: asyncio.Queue = asyncio.Queue()
+        # Bounded: a consumer that does not read stops the pumps, so the engine client's per-request
+        # buffers fill and hold those requests in the engine (evenflow/frontend/clients/backpressure.py).
+        queue: asyncio.Queue = asyncio.Queue(maxsize=_MERGED_PER_JOB * len(self.jobs))
         done = object()
 
         async def pump(job: ChoiceJob) -> None:
             try:
                 async for item in self._run_job(job):
-                    queue.put_nowait(item)
-                queue.put_nowait(done)
+                    await queue.put(item)
+                await queue.put(done)
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # surfaced to the consumer, which re-raises it
-                queue.put_nowait(e)
+                await queue.put(e)
 
         tasks = [asyncio.ensure_future(pump(j)) for j in self.jobs]
         try:

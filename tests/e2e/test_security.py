@@ -43,6 +43,13 @@ def test_api_key_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     assert frontend_parser().parse_args(["--api-key", "flag"]).api_key == "flag"
 
 
+def test_an_open_port_without_a_key_is_warned_about() -> None:
+    from evenflow.frontend.cli import open_port_warning
+
+    assert "without an API key" in open_port_warning("0.0.0.0", None)  # type: ignore[operator]
+    assert open_port_warning("0.0.0.0", "k") is None and open_port_warning("127.0.0.1", None) is None
+
+
 def test_no_pickle_eval_or_exec_anywhere_in_the_tree() -> None:
     banned = re.compile(r"\b(import pickle|from pickle|pickle\.loads?|cPickle|marshal\.loads?|eval\(|exec\(|"
                         r"shelve\.|dill\.|yaml\.load\()")

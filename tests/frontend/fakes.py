@@ -29,6 +29,12 @@ class FakeEngineClient:
         self.submitted: list[tuple[str, list[int], SamplingParams, int]] = []
         self.refuse: tuple[str, str] | None = None  # (code, message): refuse every request with it
 
+    @property
+    def connected(self) -> bool:
+        return self.ready is not None
+
+    failure: EngineError | None = None
+
     async def connect(self, timeout: float = 30.0) -> Ready:
         self.ready = Ready(1, "fake-model", self.model_path, self.max_model_len, self.vocab_size, [1], 16, 100, 64, "fake",
                            model_aliases=list(self.model_aliases))

@@ -223,6 +223,9 @@ class _DeadEngine(FakeEngineClient):
     async def call_utility(self, method: str, timeout: float = 30.0):  # type: ignore[override]
         raise EngineError("engine_dead", "gone")
 
+    connected = False  # type: ignore[assignment]
+    failure = EngineError("engine_dead", "gone")
+
 
 def test_engine_unavailable_is_503(demo_model_dir: Path) -> None:
     with _client(demo_model_dir, _DeadEngine(str(demo_model_dir), [5])) as c:

@@ -105,3 +105,12 @@ def test_prompt_tokens_count_at_the_first_token_so_refused_requests_do_not() -> 
     m.on_tokens(served, 1, now=0.2)
     m.on_tokens(served, 1, now=0.3)
     assert m.counters["evenflow:prompt_tokens_total"] == 7
+
+
+def test_metrics_label_hides_the_models_filesystem_path() -> None:
+    from evenflow.frontend.api.server import metrics_model_label
+
+    assert metrics_model_label("/srv/models/smollm2-f32") == "smollm2-f32"
+    assert metrics_model_label("./models/tiny/") == "tiny"
+    assert metrics_model_label("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert metrics_model_label("demo") == "demo"

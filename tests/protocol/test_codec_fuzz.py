@@ -8,12 +8,12 @@ from hypothesis import given, settings, strategies as st
 
 from evenflow.protocol import (
     PROTOCOL_VERSION, Abort, AddRequest, Codec, DecodeError, EngineToFrontend, EngineToWorker, Error,
-    FrontendToEngine, Heartbeat, Hello, ModelRunnerOutput, Outputs, Ready, RequestOutput, SamplingParams,
+    FrontendToEngine, Heartbeat, Hello, Hold, ModelRunnerOutput, Outputs, Ready, RequestOutput, SamplingParams,
     SchedulerStats, UtilityCall, WorkerToEngine,
 )
 
 UNIONS = {
-    "frontend->engine": (FrontendToEngine, (Hello, AddRequest, Abort, Heartbeat, UtilityCall)),
+    "frontend->engine": (FrontendToEngine, (Hello, AddRequest, Abort, Hold, Heartbeat, UtilityCall)),
     "engine->frontend": (EngineToFrontend, None),
     "engine->worker": (EngineToWorker, None),
     "worker->engine": (WorkerToEngine, None),

@@ -104,7 +104,7 @@ def test_errors_name_the_field_and_the_tag_not_positions() -> None:
     cases = {
         pack(["request", 5, [1]]): "`request` field request_id: Expected `str`, got `int`",
         pack(["abort", "x"]): "`abort` field request_ids: Expected `array`, got `str`",
-        pack(["no_such_tag", 1]): "unknown tag 'no_such_tag' (this side receives: abort, heartbeat, hello, request, utility)",
+        pack(["no_such_tag", 1]): "unknown tag 'no_such_tag' (this side receives: abort, heartbeat, hello, hold, request, utility)",
     }
     for frame, message in cases.items():
         with pytest.raises(DecodeError) as info:

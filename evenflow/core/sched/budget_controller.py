@@ -128,6 +128,11 @@ class BudgetController:
         self._planned[step_id] = _Planned(shape, self.model.predict(shape), survey.decodes > 0)
         self.largest_prefill_seen = max(self.largest_prefill_seen, gate.prefill_tokens)
 
+    def predicted_s(self, step_id: int) -> float | None:
+        """The model's prediction for a step scheduled and not yet observed (the step watchdog's yardstick)."""
+        planned = self._planned.get(step_id)
+        return planned.predicted_s if planned is not None and self.model.num_observations >= MIN_OBSERVATIONS else None
+
     def observe(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """Fit the model to one step's measured time: rank 0's wait for it (the engine-core's share of
         the step's period: zero unless the loop fell behind), input building, forward and sampling."""

@@ -112,6 +112,13 @@ class Scheduler:
             outputs.append(RequestOutput(request_id, [], "abort", request.num_cached_tokens))
         return outputs
 
+    def hold_requests(self, request_ids: Iterable[str], hold: bool) -> None:
+        """Backpressure: a held request is not scheduled (keeps its blocks) until released."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.held = hold
+
     def schedule(self) -> SchedulerOutput:
         """Plan the next step: which requests run, how many tokens each, with which blocks."""
         start = time.perf_counter()
@@ -150,7 +157,7 @@ class Scheduler:
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
-            num_new = self._num_new_tokens_running(request, token_budget)
+            num_new = 0 if request.held else self._num_new_tokens_running(request, token_budget)
             if gated and num_new > 0:
                 num_new = gate.limit(request, request.num_computed_tokens, num_new)
             if num_new <= 0:
@@ -241,7 +248,7 @@ class Scheduler:
     def _ready_to_admit(self, request: Request) -> bool:
         """Whether a waiting request may be admitted now; False: it keeps its place (or it has
         finished: its grammar failed to compile). Hook: LoRA's adapter-slot limit goes here."""
-        if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+        if request.held or (request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request)):
             return False
         return request.num_output_placeholders == 0  # else a token of an in-flight step is owed to it
 

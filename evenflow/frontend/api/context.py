@@ -18,6 +18,7 @@ from evenflow.protocol import ERR_OVERLOADED, ERR_REQUEST_TIMEOUT
 from evenflow.frontend.metrics import FrontendMetrics
 from evenflow.frontend.tokenizer import Tokenizer
 from evenflow.frontend.api.errors import APIError, field_from_decode_error
+from evenflow.frontend.api.limits import MAX_JSON_DEPTH, check_json_depth
 from evenflow.frontend.generation import Generation
 from evenflow.frontend.api.prepare import check_model
 from evenflow.frontend.api.sse import ClientDisconnected, run_until_disconnect
@@ -74,8 +75,11 @@ def decode_body(body: bytes, type_: type) -> Any:
     """Decode a JSON body into ``type_``; malformed JSON or a wrong type is a 400 naming the field."""
     if not body:
         raise APIError(400, "the request body is empty; expected a JSON object")
+    check_json_depth(body)
     try:
         return msgspec.json.decode(body, type=type_)
+    except RecursionError:  # the depth check makes this unreachable; kept as a 400, never a 500
+        raise APIError(400, f"the JSON body is nested too deeply (limit {MAX_JSON_DEPTH})") from None
     except msgspec.ValidationError as e:
         raise APIError(400, f"invalid request: {e}", field_from_decode_error(str(e))) from None
     except msgspec.DecodeError as e:

@@ -31,6 +31,8 @@ from evenflow.frontend.api.chat import create_chat_completion
 from evenflow.frontend.api.completions import create_completion
 from evenflow.frontend.api.context import DEFAULT_MAX_BODY_BYTES, ServingContext, decode_body, read_body, request_timeout
 from evenflow.frontend.api.errors import APIError, bad_request
+from evenflow.frontend.api.http_guard import HttpLimits, guarded_protocol
+from evenflow.frontend.clients.backpressure import DEFAULT_STUCK_READER_TIMEOUT_S
 from evenflow.frontend.api.openai import DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, encode_json
 from evenflow.frontend.api.prepare import CHARS_PER_TOKEN, chat_prompt_async, off_loop_if_large
 from evenflow.frontend.api.sse import ClientDisconnected
@@ -59,6 +61,10 @@ class ServerConfig:
     # Data parallel: every engine-core's address (more than one: requests are routed among them).
     engine_addresses: list[str] | None = None
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    engine_timeout: float | None = None  # None: DEAD_AFTER_S (evenflow/frontend/clients/engine_client.py)
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
+    stuck_reader_timeout: float = DEFAULT_STUCK_READER_TIMEOUT_S
+    timeout_keep_alive: float = 5.0  # uvicorn's: an idle kept-alive connection is closed after this
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -117,13 +123,15 @@ async def _models(ctx: ServingContext, request: Request) -> Response:
 
 
 async def _health(ctx: ServingContext, request: Request) -> Response:
-    try:
-        result = await asyncio.wait_for(ctx.client.call_utility("get_stats"), timeout=5.0)
-    except Exception as e:
-        return APIError(503, f"the engine does not answer: {e!r}").to_response()
-    if not getattr(result, "ok", False):
-        return APIError(503, f"the engine answered with an error: {getattr(result, 'message', '')}").to_response()
-    return Response(status_code=200)
+    """At once, from what the client already knows: 200 while any engine-core behind this frontend
+    serves (a long step or a paused worker is not ill health; a closed connection or a silence past
+    --engine-timeout is), 503 with the cause otherwise. Asking the engine would wait on its step."""
+    if ctx.client.connected:
+        return Response(status_code=200)
+    failure = getattr(ctx.client, "failure", None)
+    cause = failure.message if failure is not None else "no engine-core is connected"
+    return APIError(503, f"no engine-core can serve: {cause}",
+                    headers={"Retry-After": "5"}).to_response()
 
 
 async def _tokenize(ctx: ServingContext, request: Request) -> Response:
@@ -191,10 +199,19 @@ async def connect_context(config: ServerConfig, client: Any = None) -> ServingCo
     tokenizer = Tokenizer.from_dir(config.tokenizer or ready.model_path, chat_template=config.chat_template)
     name = config.served_model_name or ready.model_name
     aliases = () if config.served_model_name else tuple(ready.model_aliases)
-    metrics = FrontendMetrics(name, config.metrics_dir or os.environ.get("EVENFLOW_METRICS_DIR"), config.frontend_name)
+    metrics = FrontendMetrics(metrics_model_label(name), config.metrics_dir or os.environ.get("EVENFLOW_METRICS_DIR"),
+                              config.frontend_name)
     return ServingContext(client, tokenizer, name, ready.max_model_len, ready.vocab_size, metrics,
                           api_key=config.api_key, model_root=ready.model_path, model_aliases=aliases,
                           max_body_bytes=config.max_body_bytes)
+
+
+def metrics_model_label(served_name: str) -> str:
+    """The ``model_name`` label of /metrics: a served name that is a filesystem path (the default,
+    vLLM's rule: the --model string) shows only its last part, so scrapes do not reveal the layout."""
+    if not served_name.startswith(("/", "./", "../", "~")):  # a name, or a hub id such as org/model
+        return served_name
+    return os.path.basename(served_name.rstrip("/")) or served_name
 
 
 def _engine_client(config: ServerConfig) -> Any:
@@ -204,10 +221,12 @@ def _engine_client(config: ServerConfig) -> Any:
     if len(addresses) > 1:
         from evenflow.frontend.clients.data_parallel import DataParallelClient
 
-        return DataParallelClient(addresses, name, config.routing, curve_keys=config.curve_keys)
+        return DataParallelClient(addresses, name, config.routing, curve_keys=config.curve_keys,
+                                  engine_timeout=config.engine_timeout, stuck_reader_timeout=config.stuck_reader_timeout)
     from evenflow.frontend.clients.engine_client import EngineClient
 
-    return EngineClient(addresses[0], client_name=name, curve_keys=config.curve_keys)
+    return EngineClient(addresses[0], client_name=name, curve_keys=config.curve_keys,
+                        engine_timeout=config.engine_timeout, stuck_reader_timeout=config.stuck_reader_timeout)
 
 
 def build_app(config: ServerConfig, context: Callable[[], Awaitable[ServingContext]] | None = None) -> Starlette:
@@ -249,10 +268,15 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve_app(app: Starlette, sock: socket.socket) -> None:
+async def serve_app(app: Starlette, sock: socket.socket, config: ServerConfig | None = None) -> None:
     """Serve ``app`` with uvicorn on the current (uvloop) event loop until SIGINT/SIGTERM."""
     import uvicorn
 
+    config = config or ServerConfig()
+    limits = config.http_limits
+    # h11's own limit (a 400) sits above ours, so an oversized head gets http_guard's 431.
     cfg = uvicorn.Config(app, loop="none", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
-                         lifespan="on")
+                         lifespan="on", http=guarded_protocol(limits),  # type: ignore[arg-type]
+                         h11_max_incomplete_event_size=2 * limits.max_head_bytes + 65536,
+                         timeout_keep_alive=int(config.timeout_keep_alive))
     await uvicorn.Server(cfg).serve(sockets=[sock])

@@ -1,7 +1,7 @@
 """BlockingEngineClient: an EngineClient for synchronous code, its event loop running in a daemon thread.
 
 Because the loop runs for the client's whole lifetime, heartbeats keep flowing while the caller
-does other things between calls (the engine drops a client silent for 3 s), and a dead or
+does other things between calls (the engine drops a client silent for --client-timeout), and a dead or
 restarted engine-core is reconnected in the background exactly as in the async client.
 """
 

@@ -20,6 +20,7 @@ from evenflow.protocol import (
 )
 from evenflow.protocol.block_hash import extend_block_hashes
 
+from evenflow.frontend.clients.backpressure import DEFAULT_STUCK_READER_TIMEOUT_S
 from evenflow.frontend.clients.engine_client import EngineClient
 from evenflow.frontend.clients.errors import ERR_ENGINE_DEAD, ERR_NOT_CONNECTED, EngineError
 from evenflow.frontend.clients.router import Decision, Router, RoutingConfig
@@ -51,18 +52,21 @@ class DataParallelClient:
     """Async client of N engine-cores serving the same model; duck-types EngineClient."""
 
     def __init__(self, addresses: list[str], client_name: str = "", routing: RoutingConfig | None = None,
-                 curve_keys: str | None = None) -> None:
+                 curve_keys: str | None = None, engine_timeout: float | None = None,
+                 stuck_reader_timeout: float = DEFAULT_STUCK_READER_TIMEOUT_S) -> None:
         if len(addresses) < 1 or len(set(addresses)) != len(addresses):
             raise ValueError(f"give each engine-core address once, got {addresses}")
         self.addresses = list(addresses)
         self.routing = routing or RoutingConfig()
         self.routing.validate()
-        self.clients = [EngineClient(a, client_name, curve_keys=curve_keys) for a in addresses]
+        self.clients = [EngineClient(a, client_name, curve_keys=curve_keys, engine_timeout=engine_timeout,
+                                     stuck_reader_timeout=stuck_reader_timeout) for a in addresses]
         self.router: Router | None = None
         self._owner: dict[str, int] = {}  # live request id -> engine index
         self._engine_ids: list[str] = []  # each engine's id at its latest Ready (a change = a restart)
         self._stats: list[SchedulerStats | None] = [None] * len(addresses)
         self.decisions: dict[str, int] = {}  # routing reason -> requests (for tests and the benchmark)
+        self.resent = 0  # requests sent again after their engine-core died before their first output
 
     # ----------------------------------------------------------------------------- EngineClient's face
 
@@ -73,6 +77,11 @@ class DataParallelClient:
     @property
     def connected(self) -> bool:
         return any(c.connected for c in self.clients)
+
+    @property
+    def failure(self) -> EngineError | None:
+        """Why no engine-core can serve; None while any one does."""
+        return None if self.connected else self._unreachable()
 
     @property
     def stats(self) -> SchedulerStats | None:
@@ -107,24 +116,43 @@ class DataParallelClient:
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        priority: int = 0, arrival_time: float | None = None,
                        timeout_s: float = 0.0) -> AsyncIterator[RequestOutput]:
-        """Route the request to one engine-core and stream its deltas (see EngineClient.generate)."""
+        """Route the request to one engine-core and stream its deltas (see EngineClient.generate).
+
+        If that engine-core dies before the request's first output, the request is sent once more,
+        with the same id, to another one that serves: the client sees a slower success."""
         if request_id in self._owner:
             raise EngineError(ERR_DUPLICATE_ID, f"request id {request_id!r} is already live", request_id)
-        decision, hashes = self._route(prompt_token_ids)
-        engine = decision.engine
-        assert self.router is not None
-        self.router.on_routed(engine, hashes)
-        self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
-        self._owner[request_id] = engine
         deadline = {"timeout_s": timeout_s} if timeout_s > 0 else {}
-        inner = self.clients[engine].generate(request_id, prompt_token_ids, sampling_params, priority, arrival_time,
-                                              **deadline)
-        try:
-            async for out in inner:
-                yield out
-        finally:
-            self._owner.pop(request_id, None)
-            await inner.aclose()  # an early stop aborts the request in its engine-core
+        excluded: set[int] = set()
+        while True:
+            engine = self._route_request(request_id, prompt_token_ids, excluded)
+            inner = self.clients[engine].generate(request_id, prompt_token_ids, sampling_params, priority,
+                                                  arrival_time, **deadline)
+            got_output = False
+            try:
+                async for out in inner:
+                    got_output = True
+                    yield out
+                return
+            except EngineError as e:
+                others = [i for i, c in enumerate(self.clients) if c.connected and i != engine]
+                if e.code != ERR_ENGINE_DEAD or got_output or excluded or not others:
+                    raise
+                log.warning("engine-core %d died before request %s had output: sending it to another (%s)",
+                            engine, request_id, e.message)
+                excluded.add(engine)
+                self.resent += 1
+            finally:
+                self._owner.pop(request_id, None)
+                await inner.aclose()  # an early stop aborts the request in its engine-core
+
+    def _route_request(self, request_id: str, prompt_token_ids: list[int], excluded: set[int]) -> int:
+        decision, hashes = self._route(prompt_token_ids, excluded)
+        assert self.router is not None
+        self.router.on_routed(decision.engine, hashes)
+        self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
+        self._owner[request_id] = decision.engine
+        return decision.engine
 
     async def abort(self, request_ids: list[str]) -> None:
         by_engine: dict[int, list[str]] = {}
@@ -160,9 +188,11 @@ class DataParallelClient:
 
     # ----------------------------------------------------------------------------- internals
 
-    def _route(self, prompt_token_ids: list[int]) -> tuple[Decision, list[bytes]]:
+    def _route(self, prompt_token_ids: list[int], excluded: set[int] | frozenset[int] = frozenset()) -> tuple[Decision, list[bytes]]:
         assert self.router is not None and self.ready is not None, "call connect() first"
-        candidates = [i for i, c in enumerate(self.clients) if c.connected]
+        # A client that noticed its engine's death (a closed connection) is not connected: it leaves
+        # routing at once, and comes back when its engine-core answers Ready again.
+        candidates = [i for i, c in enumerate(self.clients) if c.connected and i not in excluded]
         if not candidates:
             raise self._unreachable()
         for i in candidates:

@@ -3,8 +3,10 @@
 One DEALER socket carries everything (see evenflow/protocol/README.md). ``connect()`` does the Hello/Ready
 handshake; ``generate()`` submits a request and yields its RequestOutputs as they stream back;
 a background task routes incoming frames to per-request queues, another sends a Heartbeat every
-second. If the engine is silent for ``DEAD_AFTER_S`` seconds, or says it is going away, every
-pending request fails with an EngineError carrying the engine's reason; the client then says Hello
+second. When the engine's connection closes (a ZMQ disconnect event: its process died, within
+milliseconds on TCP and ipc), when it is silent for ``engine_timeout`` seconds of this process's
+running time (evenflow/protocol/liveness.py: our own pauses do not count), or when it says it is going
+away, every pending request fails with an EngineError carrying the reason; the client then says Hello
 again with backoff until an engine-core (the same or a restarted one) answers Ready, and serves
 again. Until then ``connected`` is False and new calls raise that error at once.
 
@@ -17,20 +19,26 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from evenflow.protocol import (
-    ERR_CLIENT_DROPPED, ERR_DUPLICATE_ID, ERR_INVALID_REQUEST, ERR_NOT_READY, ERR_UNKNOWN_METHOD, PROTOCOL_VERSION, Abort, AddRequest,
+    ERR_CLIENT_DROPPED, ERR_DUPLICATE_ID, ERR_INVALID_REQUEST, ERR_NOT_READY, ERR_REQUEST_TIMEOUT, ERR_UNKNOWN_METHOD,
+    PROTOCOL_VERSION, Abort, AddRequest, Hold,
     MAX_FRAME_BYTES, Codec, DecodeError, EngineToFrontend, Error, Heartbeat, Hello, Outputs, Ready, RequestOutput, SamplingParams,
     SchedulerStats, UtilityCall, UtilityResult,
 )
 
 from evenflow.protocol.curve import connect_curve
+from evenflow.protocol.liveness import DEFAULT_SILENCE_TIMEOUT_S, RunningClock
 
+from evenflow.frontend.clients.backpressure import (
+    DEFAULT_STUCK_READER_TIMEOUT_S, ReaderState, is_stuck, should_hold, should_release,
+)
 from evenflow.frontend.clients.errors import (
     ERR_CLOSED, ERR_CONNECT_TIMEOUT, ERR_ENGINE_DEAD, ERR_NOT_CONNECTED, EngineError,
 )
@@ -41,7 +49,7 @@ __all__ = ["EngineClient", "EngineError", "ERR_CLOSED", "ERR_CONNECT_TIMEOUT", "
 log = logging.getLogger("evenflow.frontend.clients.engine_client")
 
 HEARTBEAT_S = 1.0
-DEAD_AFTER_S = 5.0
+DEAD_AFTER_S = DEFAULT_SILENCE_TIMEOUT_S  # the default of --engine-timeout
 RECONNECT_MIN_S = 0.5  # first re-Hello after a failure; doubles up to RECONNECT_MAX_S
 RECONNECT_MAX_S = 5.0
 # The engine's frames (Outputs of up to max_num_seqs requests with logprobs) stay far below this;
@@ -65,14 +73,23 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | EngineError]
     frame: bytes
     got_output: bool = False
+    reader: ReaderState = field(default_factory=ReaderState)  # backpressure.py
 
 
 class EngineClient:
     """Async client of one engine-core over a DEALER socket."""
 
-    def __init__(self, address: str, client_name: str = "", curve_keys: str | None = None) -> None:
+    def __init__(self, address: str, client_name: str = "", curve_keys: str | None = None,
+                 engine_timeout: float | None = None,
+                 stuck_reader_timeout: float = DEFAULT_STUCK_READER_TIMEOUT_S) -> None:
         self.address = address
         self.client_name = client_name
+        # Silence (of our running time) after which the engine counts as hung or unreachable.
+        self.engine_timeout = engine_timeout if engine_timeout is not None else DEAD_AFTER_S
+        if self.engine_timeout <= 0:
+            raise ValueError(f"engine_timeout must be positive, got {self.engine_timeout}")
+        self.stuck_reader_timeout = stuck_reader_timeout  # a request held this long is aborted
+        self.holds = 0  # hold messages sent (backpressure), for tests and logs
         self.curve_keys = curve_keys  # a key folder: CURVE-encrypted, authenticated link (evenflow/protocol/curve.py)
         self.ready: Ready | None = None
         self.stats: SchedulerStats | None = None
@@ -89,7 +106,9 @@ class EngineClient:
         self._fatal: EngineError | None = None  # set while failed; cleared by the next accepted Ready
         self._dead_engine_id: str | None = None  # an engine that said it is going away: ignore its Ready
         self._revived = asyncio.Event()
-        self._last_rx = 0.0
+        self._clock = RunningClock(2 * HEARTBEAT_S)  # remade at connect() (HEARTBEAT_S may be changed)
+        self._last_rx = 0.0  # on self._clock
+        self._monitor: zmq.asyncio.Socket | None = None
         # Called with every Outputs after its deltas are queued (the data-parallel client's router
         # reads stats and prefix-cache events here).
         self.on_outputs: Callable[[Outputs], None] | None = None
@@ -129,8 +148,11 @@ class EngineClient:
             elif isinstance(msg, Error):
                 await self._teardown()
                 raise EngineError(msg.code, msg.message)
-        self._last_rx = time.monotonic()
-        self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._heartbeat_loop())]
+        self._clock = RunningClock(2 * HEARTBEAT_S)
+        self._last_rx = self._clock.now()
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._heartbeat_loop()),
+                       asyncio.ensure_future(self._disconnect_loop())]
         return self.ready
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -167,6 +189,10 @@ class EngineClient:
                 self._send_frame(frame)
             while True:
                 item = await queue.get()
+                stream = self._streams.get(request_id)
+                if stream is not None and should_release(stream.reader, queue.qsize()):
+                    stream.reader.held_since = None
+                    self._send(Hold([request_id], False))
                 if isinstance(item, EngineError):
                     finished = True
                     raise item
@@ -207,7 +233,7 @@ class EngineClient:
 
     # ----------------------------------------------------------------------------- internals
 
-    def _send(self, msg: Hello | Abort | Heartbeat | UtilityCall) -> None:
+    def _send(self, msg: Hello | Abort | Hold | Heartbeat | UtilityCall) -> None:
         self._send_frame(self._codec.encode(msg))
 
     def _send_frame(self, frame: bytes) -> None:
@@ -230,15 +256,19 @@ class EngineClient:
         assert self._sock is not None
         while True:
             msg = self._decode(await self._sock.recv())
-            self._last_rx = time.monotonic()
+            self._last_rx = self._clock.now()
             if isinstance(msg, Outputs):
                 if msg.stats is not None:
                     self.stats = msg.stats
                 for out in msg.outputs:
                     stream = self._streams.get(out.request_id)
-                    if stream is not None:
+                    if stream is not None and not stream.reader.gave_up:
                         stream.got_output = True
                         stream.queue.put_nowait(out)
+                        if should_hold(stream.reader, stream.queue.qsize()):
+                            stream.reader.held_since = self._clock.now()
+                            self.holds += 1
+                            self._send(Hold([out.request_id], True))
                 if self.on_outputs is not None:
                     self.on_outputs(msg)
             elif isinstance(msg, Error):
@@ -292,29 +322,54 @@ class EngineClient:
                     self._send_frame(stream.frame)
 
     async def _heartbeat_loop(self) -> None:
-        last_tick = time.monotonic()
         while True:
             if self._fatal is not None:
                 await self._say_hello_until_ready()
-                last_tick = self._last_rx = time.monotonic()
+                self._last_rx = self._clock.now()
                 self._send(Heartbeat())
                 continue
             await asyncio.sleep(HEARTBEAT_S)
-            now = time.monotonic()
-            if now - last_tick > DEAD_AFTER_S:
-                # Our own event loop was blocked (a synchronous caller): that silence is ours, so
-                # give the engine a fresh window to answer this heartbeat.
-                self._last_rx = now
-            last_tick = now
-            silent = now - self._last_rx
+            silent = self._clock.now() - self._last_rx
             # Frames already queued mean our own loop was stalled, not that the engine went away.
             pending = self._sock is not None and bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-            if silent > DEAD_AFTER_S and not pending:
+            if silent > self.engine_timeout and not pending:
                 self._fail_all(EngineError(ERR_ENGINE_DEAD, f"no message from the engine-core at {self.address} "
-                                                            f"for {silent:.1f} s: it died or is unreachable"))
+                                                            f"for {silent:.1f} s (--engine-timeout "
+                                                            f"{self.engine_timeout:g} s): it hangs or is unreachable"))
                 continue
             if self._fatal is None:
                 self._send(Heartbeat())
+                self._abort_stuck_readers()
+
+    def _abort_stuck_readers(self) -> None:
+        now = self._clock.now()
+        stuck = [rid for rid, s in self._streams.items() if is_stuck(s.reader, now, self.stuck_reader_timeout)]
+        if not stuck:
+            return
+        log.warning("aborting %d request(s) whose readers took nothing for %g s (their KV is freed)",
+                    len(stuck), self.stuck_reader_timeout)
+        self._send(Abort(stuck))
+        for rid in stuck:
+            stream = self._streams[rid]
+            stream.reader.gave_up = True
+            stream.queue.put_nowait(EngineError(ERR_REQUEST_TIMEOUT, f"request {rid!r} was aborted: its reader took "
+                                                f"no output for {self.stuck_reader_timeout:g} s", rid))
+
+    async def _disconnect_loop(self) -> None:
+        """A closed connection is a dead (or restarting) engine-core: fail its requests at once."""
+        assert self._monitor is not None and self._sock is not None
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            for _ in range(100):  # what the engine sent before it went is read first
+                if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
+                await asyncio.sleep(0.001)
+            if self._fatal is None:
+                log.warning("engine-core at %s closed its connection", self.address)
+                self._fail_all(EngineError(ERR_ENGINE_DEAD, f"the engine-core at {self.address} closed its "
+                                                            f"connection: it exited or restarted"))
 
     async def _say_hello_until_ready(self) -> None:
         """After a failure: Hello with backoff until ``_on_ready_again`` accepts a Ready."""
@@ -355,6 +410,10 @@ class EngineClient:
                 except (asyncio.CancelledError, Exception):
                     pass
         self._tasks = []
+        if self._monitor is not None and self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None

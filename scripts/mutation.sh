@@ -8,8 +8,8 @@
 #   MUTATION_ONLY='*prepare_inputs* *update*' scripts/mutation.sh evenflow/worker/batch.py   # only these globs
 #
 # Prints "file: killed/total" per file; mutmut keeps its state in mutants/ at the repository root
-# (`python -m mutmut results` lists survivors, `python -m mutmut show NAME` shows one) and the
-# script a log and the results per file in build/mutation/. Not run in CI: it takes minutes per
+# (`scripts/mutation.sh --results` lists every mutant's status, `scripts/mutation.sh --show NAME`
+# shows one) and the script a log and the results per file in build/mutation/. Not run in CI: it takes minutes per
 # file. See docs/mutation.md. Needs mutmut 3 (pip install -e ".[mutation]").
 #
 # It runs in place: the import path is the file path (evenflow/core/sched/scheduler.py is
@@ -72,6 +72,16 @@ run_one() {
   killed=$(grep -c ': killed$' "$root/$module.results.txt" || true)
   echo "$file: $killed/$total killed ($(grep -v ': killed$' "$root/$module.results.txt" | awk '{print $NF}' | sort | uniq -c | tr -s ' ' | paste -sd, -))"
 }
+
+# mutmut's own views of the state in mutants/ (it needs a config to start): --results, --show NAME.
+if [[ ${1:-} == --results || ${1:-} == --show ]]; then
+  [[ ! -e $repo/setup.cfg ]] || { echo "$repo/setup.cfg exists: another run in progress?" >&2; exit 1; }
+  trap 'rm -f "$repo/setup.cfg"' EXIT
+  printf '[mutmut]\nsource_paths = evenflow\n' > "$repo/setup.cfg"
+  view=${1#--}; shift
+  cd "$repo" && PYTHONPATH= "$python" -m mutmut "$view" "$@"
+  exit
+fi
 
 survivors_only=0
 if [[ ${1:-} == --survivors ]]; then survivors_only=1; shift; fi

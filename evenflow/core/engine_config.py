@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
 from evenflow.protocol import MAX_FRAME_BYTES, SpeculativeConfig, parse_speculative_config
 from evenflow.protocol.curve import is_loopback
 from evenflow.protocol.gguf_file import is_gguf_path
+from evenflow.protocol.lora import LoRAConfig, parse_lora_module, read_adapter
 from evenflow.protocol.liveness import DEFAULT_SILENCE_TIMEOUT_S
 
 from evenflow.core.step_watchdog import DEFAULT_STEP_TIMEOUT_S
@@ -78,6 +79,18 @@ class EngineConfig:
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     speculative_config: SpeculativeConfig | None = None  # --speculative-config JSON, validated when parsed
+    # Multi-LoRA (vLLM's flags; docs/lora.md).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    lora_modules: list[str] = field(default_factory=list)  # name=path
+
+    def lora_config(self) -> LoRAConfig | None:
+        """What the workers take (None: LoRA off)."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid value or combination."""
@@ -118,6 +131,7 @@ class EngineConfig:
             raise ConfigError(f"--curve-keys {self.curve_keys!r} has no engine.key_secret "
                               f"(write the keys with `evenflow keygen DIR`)")
         self._validate_nodes()
+        self._validate_lora()
         if self.speculative_config is not None and (problem := self.speculative_config.validate()):
             raise ConfigError(f"--speculative-config: {problem}")
         if not is_gguf_path(self.model) and not (Path(self.model).expanduser() / "config.json").is_file():
@@ -141,6 +155,21 @@ class EngineConfig:
                               f"got {self.master_port}")
         if (self.node_rank > 0) != self.headless:
             raise ConfigError("node 0 runs the engine-core; every other --node-rank runs `engine-core --headless`")
+
+    def _validate_lora(self) -> None:
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ConfigError("--lora-modules needs --enable-lora")
+            return
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ConfigError(f"--max-loras and --max-lora-rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})")
+        for entry in self.lora_modules:
+            try:
+                read_adapter(parse_lora_module(entry)[1], self.max_lora_rank)
+            except ValueError as e:
+                raise ConfigError(f"--lora-modules {entry}: {e}") from None
 
     def describe(self) -> str:
         """One line per setting, for the start-up log."""
@@ -250,6 +279,15 @@ def build_parser() -> argparse.ArgumentParser:
       help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
            '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (optional "disable_by_batch_size": N: '
            'no drafts while N or more requests run; default 16, null: never)')
+    g = p.add_argument_group("LoRA adapters (docs/lora.md)")
+    g.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters of the model")
+    g.add_argument("--max-loras", type=int, default=d.max_loras, help="most adapters in one step (worker slots)")
+    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank accepted")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in each worker's host memory (default: --max-loras)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="adapters to serve from the start: name=path of a PEFT folder; requests choose one "
+                        "by its name in the model field")
     return p
 
 

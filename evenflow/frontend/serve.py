@@ -126,6 +126,8 @@ def serve_main(argv: Sequence[str]) -> int:
     env = child_env(dict(os.environ, EVENFLOW_METRICS_DIR=metrics_dir))
     if args.api_key:  # through the environment: a command line is visible to every user in `ps`
         env["EVENFLOW_API_KEY"] = args.api_key
+    if args.allow_runtime_lora_updating:
+        env[RUNTIME_LORA_ENV] = "1"
     py = sys.executable
     engines: list[Child] = []
     for i, (addr, engine_env) in enumerate(zip(engine_addrs, engine_envs(env, dp))):

@@ -82,6 +82,7 @@ class SchedulerConfig:
     auto_target_itl: bool = False  # a target derived from the measured decode step (auto_target.py)
     max_num_partial_prefills: int = 1  # > 1: bounds on prompts mid-prefill (vLLM V0), see prefill_gate.py
     max_long_partial_prefills: int = 1
+    max_loras: int = 0  # 0: LoRA off; else the most adapters among running requests (--max-loras)
 
     @property
     def effective_long_prefill_threshold(self) -> int:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from evenflow.worker.attention.base import AttentionBackend, KVCache
 from evenflow.worker.config_reader import ModelConfig
+from evenflow.worker.lora.pool import LoRAStep
 from evenflow.worker.models.int4_linear import Int4CpuLinear, int4_fits, int4_plan
 from evenflow.worker.models.layers import RotaryTable, apply_rotary, rms_norm, rms_norm_heads
 from evenflow.worker.models.linear import (
@@ -274,8 +275,12 @@ class LlamaModel(nn.Module):
         attn: AttentionBackend,
         attn_plan: object,
         logits_indices: torch.Tensor,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
-        """Run every layer over the step's tokens; return float32 logits [len(logits_indices), vocab]."""
+        """Run every layer over the step's tokens; return float32 logits [len(logits_indices), vocab].
+
+        ``lora`` adds the step's LoRA adapters to the projections they target (evenflow/worker/lora/pool.py).
+        """
         cfg = self.cfg
         eps, d = cfg.rms_norm_eps, cfg.head_dim
         n = input_ids.shape[0]
@@ -286,6 +291,8 @@ class LlamaModel(nn.Module):
         for i, (layer, w) in enumerate(zip(self.layers, self._linears)):
             h = rms_norm(x, layer.input_norm, eps)
             qkv = linear(h, w.qkv, w.qkv_bias)
+            if lora is not None:
+                lora.add(i, "qkv", h, qkv)
             qk = qkv[:, : self.q_size + self.kv_size].view(n, qk_heads, d)
             if cfg.qk_norm:
                 qk = rms_norm_heads(qk, self._qk_norm_weights[i], eps)
@@ -293,11 +300,19 @@ class LlamaModel(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, d)
             o = attn.forward(q, k, v, kv_caches[i], attn_plan)
-            x = x + self.tp.all_reduce(linear(o, w.o, None))
+            o_out = linear(o, w.o, None)
+            if lora is not None:  # row-parallel: each rank's partial delta joins the all-reduce
+                lora.add(i, "o", o, o_out)
+            x = x + self.tp.all_reduce(o_out)
             h = rms_norm(x, layer.post_norm, eps)
             gu = linear(h, w.gate_up, None)
+            if lora is not None:
+                lora.add(i, "gate_up", h, gu)
             act = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :]
-            x = x + self.tp.all_reduce(linear(act, w.down, None))
+            down = linear(act, w.down, None)
+            if lora is not None:
+                lora.add(i, "down", act, down)
+            x = x + self.tp.all_reduce(down)
         x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
         logits = self.tp.all_gather_last_dim(self.head_linear(x, self._head, None).float())
         return logits[:, : cfg.vocab_size]

@@ -1,4 +1,4 @@
-"""Offline throughput of the worker's model runner, driven in-process by the real scheduler.
+"""Offline throughput of the worker's model runner, driven in-process by the engine's step loop.
 
     python scripts/bench_offline.py --quick                 # a short smoke table
     python scripts/bench_offline.py --models small --dtypes bfloat16 --batch-sizes 64 \
@@ -11,7 +11,8 @@ dtype and batch size, ``batch`` synthetic prompts (lengths uniform in [min, max]
 ``output-len`` tokens (ignore_eos); every request is submitted at once, so the batch size is the
 number of concurrent sequences. Printed per row: input and output tokens per second over the whole
 run, and the mean per-step split of the worker's time (input building / forward / sampling) plus
-the scheduler's own time.
+the scheduler's own time. The steps go through the engine's ``EngineLoop`` and an
+``InProcessExecutor`` (``--async-scheduling``: two steps in flight, as the engine runs by default).
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from evenflow.core.sched.config import SchedulerConfig
+from evenflow.bench.shapes import MODELS
+from evenflow.core.engine_loop import EngineLoop
 from evenflow.core.request import Request
+from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.sched.scheduler import Scheduler
 from evenflow.protocol import SamplingParams, WorkerConfig
+from evenflow.worker.in_process import InProcessExecutor
 from evenflow.worker.runner import ModelRunner
-from evenflow.bench.shapes import MODELS
-
 
 
 @dataclass
@@ -82,28 +84,22 @@ def run_one(model_dir: Path, name: str, dtype: str, batch: int, args: argparse.N
     sched = Scheduler(SchedulerConfig(num_kv_blocks=blocks_needed, max_num_batched_tokens=args.budget,
                                       max_num_seqs=batch, max_model_len=max_len, block_size=runner.block_size,
                                       enable_prefix_caching=False))
+    loop = EngineLoop(sched, InProcessExecutor(runner=runner), async_scheduling=args.async_scheduling)
     rng = random.Random(args.seed)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     prompts = [[rng.randrange(3, 8192) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
                for _ in range(batch)]
     for i, prompt in enumerate(prompts):
         sched.add_request(Request(f"r{i}", prompt, params))
-    prep = fwd = samp = sch = 0.0
-    steps = out_tokens = 0
+    out_tokens = 0
     t0 = time.perf_counter()
-    while sched.has_unfinished_requests():
-        ts = time.perf_counter()
-        so = sched.schedule()
-        sch += time.perf_counter() - ts
-        mro = runner.execute_model(so)
-        ts = time.perf_counter()
-        outs = sched.update_from_output(so, mro)
-        sch += time.perf_counter() - ts
-        out_tokens += sum(len(o.new_token_ids) for o in outs)
-        prep, fwd, samp, steps = prep + mro.prepare_s, fwd + mro.forward_s, samp + mro.sample_s, steps + 1
+    while loop.has_work():
+        out_tokens += sum(len(o.new_token_ids) for o in loop.step().outputs or ())
     wall = time.perf_counter() - t0
     runner.shutdown()
-    return Row(name, runner.dtype, batch, sum(map(len, prompts)), out_tokens, wall, steps, prep, fwd, samp, sch)
+    stats = loop.stats()
+    return Row(name, runner.dtype, batch, sum(map(len, prompts)), out_tokens, wall, stats.num_steps,
+               stats.worker_prepare_s, stats.worker_forward_s, stats.worker_sample_s, stats.schedule_s + stats.update_s)
 
 
 def print_table(rows: list[Row]) -> None:
@@ -128,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton", "flash_attn"))
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="two steps in flight (the engine's default); off: schedule -> run -> apply")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.dtypes, args.batch_sizes = ["tiny"], ["float32"], [1, 16]

@@ -1,10 +1,12 @@
-"""Time Scheduler.schedule() + update_from_output() per step, with no model at all.
+"""Time the engine's step loop (schedule, send, apply) per step, with no model at all.
 
 Workloads: N requests all decoding (N = 64, 256, 1024), and a mixed one where long prompts with a
 shared system prefix arrive while requests decode, so steps mix chunked prefills, prefix-cache
 hits and decodes; and the mixed one again with the adaptive budget on (``--target-itl-ms``), its
 step times made up by a linear function of the step's tokens and requests so the controller
-fits and chooses as it would in the engine. Sampled tokens are made up outside the timed region. "us/request" is the median over steps of
+fits and chooses as it would in the engine. The steps run through the engine's ``EngineLoop``
+(overlap off) with a made-up executor whose own time is taken out of each step's: what is timed is
+the scheduler and the loop. "us/request" is the median over steps of
 (step time / requests in the step). On a shared machine, look at min and median: p99 mostly
 measures other processes taking the CPU.
 
@@ -19,11 +21,14 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from collections import deque
+
+from evenflow.core.engine_loop import EngineLoop
+from evenflow.core.request import Request
 from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.sched.prefill_gate import PrefillGate
-from evenflow.core.request import Request
 from evenflow.core.sched.scheduler import Scheduler
-from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput, WorkerReady
 
 
 @dataclass
@@ -44,25 +49,61 @@ class StepTimes:
         )
 
 
-def fake_output(scheduler: Scheduler, output: SchedulerOutput, rng: random.Random) -> ModelRunnerOutput:
-    """What a model would return: one token for every request whose chunk reached its end."""
-    req_ids = list(output.num_scheduled_tokens)
-    requests = scheduler.requests
-    sampled = [[rng.randrange(1, 32000)] if requests[r].num_output_placeholders else [] for r in req_ids]
-    # A made-up step time for the adaptive budget to fit (2 ms + 20 us per token + 50 us per request).
-    seconds = 2e-3 + 20e-6 * output.total_num_scheduled_tokens + 50e-6 * len(req_ids)
-    return ModelRunnerOutput(output.step_id, req_ids, sampled, forward_s=seconds)
+class MadeUpExecutor:
+    """What a model would return: one token for every request whose chunk reached its end, and a
+    step time for the adaptive budget to fit (2 ms + 20 us per token + 50 us per request).
+    ``spent_s`` counts its own time, which the benchmark takes out of the loop's."""
+
+    def __init__(self, scheduler: Scheduler, rng: random.Random) -> None:
+        self.scheduler = scheduler
+        self.rng = rng
+        self.spent_s = 0.0
+        self.last: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+        self._outputs: deque[ModelRunnerOutput] = deque()
+
+    def start(self) -> list[WorkerReady]:
+        config = self.scheduler.config
+        return [WorkerReady(0, config.num_kv_blocks, config.block_size, "none", "none", "none")]
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        pass
+
+    def send_step(self, so: SchedulerOutput) -> None:
+        start = time.perf_counter()
+        req_ids = list(so.num_scheduled_tokens)
+        requests = self.scheduler.requests
+        sampled = [[self.rng.randrange(1, 32000)] if requests[r].num_output_placeholders else [] for r in req_ids]
+        seconds = 2e-3 + 20e-6 * so.total_num_scheduled_tokens + 50e-6 * len(req_ids)
+        mro = ModelRunnerOutput(so.step_id, req_ids, sampled, forward_s=seconds)
+        self.last = (so, mro)
+        self._outputs.append(mro)
+        self.spent_s += time.perf_counter() - start
+
+    def recv_output(self, step_id: int) -> ModelRunnerOutput:
+        return self._outputs.popleft()
+
+    def check_alive(self) -> None:
+        pass
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        pass
 
 
-def timed_step(scheduler: Scheduler, rng: random.Random) -> tuple[float, int]:
+def loop_for(scheduler: Scheduler, rng: random.Random) -> EngineLoop:
+    """The engine's loop, overlap off; the made-up tokens come from the workload's ``rng``."""
+    return EngineLoop(scheduler, MadeUpExecutor(scheduler, rng), async_scheduling=False)
+
+
+def timed_step(loop: EngineLoop) -> tuple[float, int]:
+    """One loop step's microseconds, less the executor's, and the requests it ran."""
+    executor = loop.executor
+    assert isinstance(executor, MadeUpExecutor)
+    spent = executor.spent_s
     start = time.perf_counter()
-    output = scheduler.schedule()
-    scheduled = time.perf_counter() - start
-    mro = fake_output(scheduler, output, rng)
-    start = time.perf_counter()
-    scheduler.update_from_output(output, mro)
-    updated = time.perf_counter() - start
-    return (scheduled + updated) * 1e6, len(output.num_scheduled_tokens)
+    loop.step()
+    elapsed = time.perf_counter() - start - (executor.spent_s - spent)
+    assert executor.last is not None
+    return elapsed * 1e6, len(executor.last[0].num_scheduled_tokens)
 
 
 def bench_decodes(num_requests: int, num_steps: int) -> StepTimes:
@@ -74,12 +115,13 @@ def bench_decodes(num_requests: int, num_steps: int) -> StepTimes:
         max_model_len=4096,
     )
     scheduler = Scheduler(config)
+    loop = loop_for(scheduler, rng)
     for i in range(num_requests):
         prompt = [rng.randrange(1, 32000) for _ in range(128)]
         scheduler.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=100_000, ignore_eos=True)))
     while any(r.num_output_tokens == 0 for r in scheduler.requests.values()):  # prefill everybody
-        timed_step(scheduler, rng)
-    times, counts = zip(*(timed_step(scheduler, rng) for _ in range(num_steps)))
+        timed_step(loop)
+    times, counts = zip(*(timed_step(loop) for _ in range(num_steps)))
     return StepTimes(f"{num_requests} decodes", list(times), list(counts))
 
 
@@ -88,6 +130,7 @@ def bench_mixed(num_steps: int, target_itl_ms: float | None = None) -> StepTimes
     rng = random.Random(1)
     config = SchedulerConfig(num_kv_blocks=40_000, max_model_len=8192, target_itl_ms=target_itl_ms)
     scheduler = Scheduler(config)
+    loop = loop_for(scheduler, rng)
     system_prompt = [rng.randrange(1, 32000) for _ in range(1024)]
     next_id = 0
 
@@ -101,12 +144,12 @@ def bench_mixed(num_steps: int, target_itl_ms: float | None = None) -> StepTimes
     for _ in range(128):
         arrive(1100, rng.randrange(200, 2000))
     while any(r.num_output_tokens == 0 for r in scheduler.requests.values()):
-        timed_step(scheduler, rng)
+        timed_step(loop)
     times, counts = [], []
     for step in range(num_steps):
         if step % 2 == 0:
             arrive(rng.randrange(1100, 3000), rng.randrange(50, 500))
-        elapsed, count = timed_step(scheduler, rng)
+        elapsed, count = timed_step(loop)
         times.append(elapsed)
         counts.append(count)
     stats = scheduler.get_stats()
@@ -125,23 +168,27 @@ def bench_controller_cost(num_steps: int, num_requests: int, target_itl_ms: floa
                              max_num_batched_tokens=max(2048, num_requests), max_model_len=4096,
                              target_itl_ms=target_itl_ms)
     scheduler = Scheduler(config)
+    loop = loop_for(scheduler, rng)
     for i in range(num_requests):
         prompt = [rng.randrange(1, 32000) for _ in range(128)]
         scheduler.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=100_000, ignore_eos=True)))
     while any(r.num_output_tokens == 0 for r in scheduler.requests.values()):
-        timed_step(scheduler, rng)
+        timed_step(loop)
     controller = scheduler.budget_controller
     assert controller is not None
+    executor = loop.executor
+    assert isinstance(executor, MadeUpExecutor)
     times = []
     for _ in range(num_steps):
-        output = scheduler.schedule()
-        mro = fake_output(scheduler, output, rng)
+        loop.step()
+        assert executor.last is not None
+        output, mro = executor.last
+        # Once more, alone: what the step above spent surveying, choosing, recording and fitting.
         start = time.perf_counter()
         gate = PrefillGate.for_step(config, 0, scheduler.running, 1, controller.prefill_allowance)
         controller.record(output, gate)
         controller.observe(output, mro)
         times.append((time.perf_counter() - start) * 1e6)
-        scheduler.update_from_output(output, mro)
     return StepTimes(f"controller alone, {num_requests} running", times, [num_requests] * num_steps)
 
 

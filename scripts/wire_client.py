@@ -205,10 +205,10 @@ def check_silent_client_is_dropped_and_told(c: Conn, ready: list, args: argparse
     told = None
     while c.sock.poll(0):
         msg = c.recv()
-        if told is not None:  # after no_hello, nothing about the old requests
+        if told is not None:  # after client_dropped, nothing about the old requests
             assert msg[0] != "outputs" or not msg[1], msg
         elif msg[0] == "error":
-            told = expect_error(msg, "no_hello")
+            told = expect_error(msg, "client_dropped")
     assert told is not None and "dropped" in told, told
     expect_error(c.ask(["heartbeat"]), "no_hello")
     c.hello()

@@ -15,9 +15,19 @@ from evenflow.protocol.curve import is_loopback
 from evenflow.protocol.lifeline import die_with_parent
 from evenflow.protocol.link_auth import read_secret
 
-from evenflow.core.engine_config import ConfigError, build_parser, config_from_args
-from evenflow.core.model_info import read_model_info
+from evenflow.core.engine_config import ConfigError, EngineConfig, build_parser, config_from_args
+from evenflow.core.model_info import ModelInfo, read_model_info
 from evenflow.core.workers import WorkerFailure
+
+
+def config_and_model(argv: Sequence[str] | None) -> tuple[EngineConfig, ModelInfo]:
+    """The engine's flags and the model they name, checked against each other (ConfigError)."""
+    cfg = config_from_args(argv)
+    info = read_model_info(cfg.model, cfg.served_model_name)
+    if cfg.max_model_len is not None and cfg.max_model_len > info.max_model_len:
+        raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's limit "
+                          f"{info.max_model_len} (from {info.model_path})")
+    return cfg, info
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,15 +37,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         stream=sys.stderr)
     log = logging.getLogger("evenflow.core.cli")
     try:
-        cfg = config_from_args(argv)
-        info = read_model_info(cfg.model, cfg.served_model_name)
-        if cfg.max_model_len is not None and cfg.max_model_len > info.max_model_len:
-            raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's limit "
-                              f"{info.max_model_len} (from {info.model_path})")
+        cfg, info = config_and_model(argv)
         if cfg.nnodes > 1:
             read_secret(cfg.dist_secret_file)  # missing or short: a usage error, before anything starts
     except (ConfigError, ValueError, OSError) as e:
-        build_parser().print_usage(sys.stderr)
+        # One line naming the value and what was expected (argparse's own errors carry the usage).
         print(f"engine-core: error: {e}", file=sys.stderr)
         return 2
     log.info("settings:\n%s", cfg.describe())
@@ -63,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ready = engine.start()
     except (WorkerFailure, ValueError, zmq.ZMQError) as e:  # ZMQError: e.g. --listen address in use
         log.error("start-up failed: %s", e)
-        engine.workers.shutdown(timeout=1.0)
+        engine.executor.shutdown(timeout=1.0)
         return 1
     log.info("engine-core %s serving %s on %s (start-up %.1f s, overlap %s)", ready.engine_id,
              ready.model_name, cfg.listen, time.monotonic() - t0, "on" if cfg.async_scheduling else "off")

@@ -29,7 +29,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from evenflow.protocol import (
-    ERR_BAD_FRAME, ERR_INVALID_REQUEST, ERR_NOT_READY, ERR_VERSION, PROTOCOL_VERSION, AddRequest, Codec,
+    ERR_BAD_FRAME, ERR_CLIENT_DROPPED, ERR_INVALID_REQUEST, ERR_NOT_READY, ERR_VERSION, PROTOCOL_VERSION, AddRequest, Codec,
     DecodeError, Error, FrontendToEngine, Heartbeat, Hello, Outputs, Ready, SchedulerStats,
 )
 
@@ -305,7 +305,7 @@ class FrontendLink:
                 self._forget(identity, reason)
                 # Sent from this thread, so it precedes every answer to a later frame of that client.
                 # (A client whose connection is gone cannot be told: its next message gets no_hello.)
-                self._reply(router, identity, Error(ERR_NOT_READY, f"dropped: {reason}; every request of "
+                self._reply(router, identity, Error(ERR_CLIENT_DROPPED, f"dropped: {reason}; every request of "
                                                                    f"yours was aborted; send hello, then resubmit"))
 
     def _forget(self, identity: bytes, reason: str) -> None:

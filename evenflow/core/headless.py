@@ -19,7 +19,8 @@ import msgspec
 from evenflow.core.engine_config import EngineConfig
 from evenflow.core.model_info import ModelInfo
 from evenflow.core.multi_node import NodeLayout
-from evenflow.core.workers import describe_exit, spawn_worker, worker_template
+from evenflow.core.component_configs import worker_template
+from evenflow.core.workers import describe_exit, spawn_worker
 
 log = logging.getLogger("evenflow.core.headless")
 

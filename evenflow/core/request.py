@@ -124,8 +124,8 @@ class Request:
         # every step, and a plain attribute costs a fraction of a property call.
         self.num_tokens = self.num_prompt_tokens
 
-        # Draft tokens to verify next step (set from the proposer's output, trimmed by the budget).
-        self.spec_token_ids: list[int] = []
+        # Drafts the worker proposed after the last step (it keeps the tokens): slots wanted next.
+        self.num_proposed_drafts = 0
         # Tokens whose KV is computed or scheduled to be (advanced when a step is scheduled).
         self.num_computed_tokens = 0
         # Tokens scheduled to be sampled but not returned yet (overlap keeps steps in flight).
@@ -160,7 +160,7 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return self.num_tokens + len(self.spec_token_ids)
+        return self.num_tokens + self.num_proposed_drafts
 
     @property
     def num_output_tokens(self) -> int:

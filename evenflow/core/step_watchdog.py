@@ -43,7 +43,7 @@ def step_shape_text(so: SchedulerOutput) -> str:
     new = sum(len(r.prompt_token_ids) for r in so.scheduled_new_reqs)
     return (f"{so.total_num_scheduled_tokens} tokens of {len(so.num_scheduled_tokens)} requests "
             f"({len(so.scheduled_new_reqs)} new with {new} prompt tokens, "
-            f"{sum(len(t) for t in so.scheduled_spec_decode_tokens.values())} draft tokens)")
+            f"{sum(so.num_draft_slots.values())} draft tokens)")
 
 
 class StepWatchdog:

@@ -29,14 +29,12 @@ import msgspec
 import zmq
 
 from evenflow.protocol import (
-    EngineToWorker, InitKVCache, ModelRunnerOutput, SchedulerOutput, WorkerConfig, WorkerError,
+    EngineToWorker, InitKVCache, KVCacheReady, ModelRunnerOutput, SchedulerOutput, WorkerConfig, WorkerError,
     WorkerReady, WorkerShutdown, WorkerToEngine,
 )
 from evenflow.protocol.lifeline import child_env
 
-from evenflow.core.engine_config import EngineConfig
 from evenflow.core.multi_node import NodeLayout, SecuredLinks
-
 from evenflow.core.step_watchdog import StepWatchdog
 
 log = logging.getLogger("evenflow.core.workers")
@@ -51,13 +49,15 @@ class WorkerFailure(RuntimeError):
 
 @dataclass
 class WorkerGroup:
-    """``world_size`` worker processes built from one WorkerConfig template."""
+    """``world_size`` worker processes built from one WorkerConfig template: the multiprocess
+    ``Executor`` (evenflow/protocol/executor.py)."""
 
     ctx: zmq.Context
     template: WorkerConfig
     start_timeout: float = 600.0
     procs: list[subprocess.Popen] = field(default_factory=list)
     layout: NodeLayout | None = None  # ranks on several hosts; None: all here, over ipc://
+    watchdog: StepWatchdog | None = None  # told of each step; checked while a result is awaited
 
     def __post_init__(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="evenflow-workers-")
@@ -123,31 +123,52 @@ class WorkerGroup:
         return [readies[r] for r in range(world)]
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        """Have every rank allocate ``num_blocks`` blocks and wait until each has (KVCacheReady), so
+        that the engine reports ready with its memory in place (raises WorkerFailure)."""
         self._send(InitKVCache(num_blocks))
+        waiting = set(range(self.template.world_size))
+        deadline = time.monotonic() + self.start_timeout
+        while waiting:
+            if time.monotonic() > deadline:
+                raise WorkerFailure(f"ranks {sorted(waiting)} did not allocate their KV cache within "
+                                    f"{self.start_timeout:.0f} s")
+            if self._in.poll(_POLL_SLICE_MS):
+                msg = self._decode(self._in.recv())
+                if isinstance(msg, KVCacheReady):
+                    waiting.discard(msg.rank)
+                elif isinstance(msg, WorkerError):
+                    self._errors[msg.rank] = msg
+                    self._raise_failure()
+            else:
+                self.check_alive()
 
     # ----------------------------------------------------------------------------- steps
 
     def send_step(self, so: SchedulerOutput) -> None:
         """Broadcast one step to every rank (non-blocking: the PUB queue is unbounded)."""
         self._send(so)
+        if self.watchdog is not None:
+            self.watchdog.sent(so)
 
-    def recv_output(self, step_id: int, watchdog: StepWatchdog | None = None) -> ModelRunnerOutput:
+    def recv_output(self, step_id: int) -> ModelRunnerOutput:
         """Wait for rank 0's result of ``step_id``; raise WorkerFailure if any rank fails first (and
-        StepTimeout when ``watchdog`` finds the step past --step-timeout)."""
+        StepTimeout when the watchdog finds the step past --step-timeout)."""
         while True:
             if self._in.poll(_POLL_SLICE_MS):
                 msg = self._decode(self._in.recv())
                 if isinstance(msg, ModelRunnerOutput):
                     if msg.step_id != step_id:
                         raise WorkerFailure(f"worker rank 0 answered step {msg.step_id}, expected {step_id}")
+                    if self.watchdog is not None:
+                        self.watchdog.done(step_id)
                     return msg
                 if isinstance(msg, WorkerError):
                     self._errors[msg.rank] = msg
                     self._raise_failure()
             else:
                 self.check_alive()
-                if watchdog is not None:
-                    watchdog.check(step_id)
+                if self.watchdog is not None:
+                    self.watchdog.check(step_id)
 
     def check_alive(self) -> None:
         """Raise WorkerFailure when any rank here has exited, or a host with ranks is lost."""
@@ -202,17 +223,6 @@ class WorkerGroup:
         self._out.close(0)
         self._in.close(0)
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def worker_template(cfg: EngineConfig, model_path: str, max_model_len: int) -> WorkerConfig:
-    """Every rank's WorkerConfig but its rank and addresses (the same on every host)."""
-    return WorkerConfig(
-        model=model_path, world_size=cfg.tensor_parallel_size, dtype=cfg.dtype, device=cfg.device,
-        seed=cfg.seed, block_size=cfg.block_size, max_model_len=max_model_len,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-        attention_backend=cfg.attention_backend, kv_cache_memory=cfg.kv_cache_memory,
-        num_kv_blocks=cfg.num_kv_blocks, load_format=cfg.load_format, num_threads=cfg.worker_threads,
-        speculative_config=cfg.speculative_config)
 
 
 def spawn_worker(cfg: WorkerConfig, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -48,13 +48,18 @@ def render_chat(
     bos_token: str | None = None,
     eos_token: str | None = None,
     extra_context: Mapping[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> str:
     """The prompt text for ``messages`` (dicts with ``role`` and ``content``).
 
     ``extra_context`` (a request's ``chat_template_kwargs``) adds template variables; it never
     overrides ``messages``, ``add_generation_prompt``, ``bos_token`` or ``eos_token``. Any failure
     of the template is a ChatTemplateError (a 400), whatever the template raised.
+    ``continue_final_message`` leaves the last message open (``continue_open``).
     """
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("set add_generation_prompt to false with continue_final_message: a new turn "
+                                "cannot start while the last message goes on")
     if not template:
         raise ChatTemplateError(
             "this model has no chat template; use /v1/completions or start the server with --chat-template FILE"
@@ -64,7 +69,8 @@ def render_chat(
                    bos_token=bos_token or "", eos_token=eos_token or "")
     compiled = _compile(template)
     try:
-        return compiled.render(context)
+        text = compiled.render(context)
+        return continue_open(text, messages[-1].get("content") if messages else None) if continue_final_message else text
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as e:
@@ -73,8 +79,19 @@ def render_chat(
         raise ChatTemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
 
 
+def continue_open(rendered: str, final_content: Any) -> str:
+    """``rendered`` cut just after the final message's text, so that the model continues that
+    message: transformers' ``continue_final_message`` rule (the text stripped, found last)."""
+    final = (final_content or "").strip() if isinstance(final_content, str) else ""
+    if not final or final not in rendered:
+        raise ChatTemplateError("continue_final_message needs a final message with text that the chat template "
+                                "renders as written")
+    return rendered[:rendered.rindex(final) + len(final)]
+
+
 def content_text(content: Any) -> str:
-    """OpenAI message content is a string or a list of parts; only text parts are supported."""
+    """OpenAI message content is a string or a list of parts; only text parts are supported, and
+    they are joined with a newline, as vLLM joins them."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -85,4 +102,4 @@ def content_text(content: Any) -> str:
             parts.append(str(part.get("text", "")))
         else:
             raise ChatTemplateError("only text content parts are supported")
-    return "".join(parts)
+    return "\n".join(parts)

@@ -6,6 +6,9 @@ loop runs in a thread for the LLM's lifetime, so heartbeats keep the engine from
 client between two ``generate()`` calls), and runs batches through the same output path as the
 HTTP server (incremental detokenization, stop strings, ``n`` samples). ``shutdown()`` (also at interpreter exit) stops the
 engine-core by PID.
+
+``in_process=True`` runs the engine-core on a thread of this process instead, with the model on an
+in-process executor (evenflow/in_process_engine.py): one process a debugger can step through.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from evenflow.frontend.generation import Generation
 from evenflow.frontend.choices import ChoicePlan, fan_out, stop_strings
 from evenflow.frontend.structured_outputs import offline_structured_outputs
 from evenflow.frontend.chat_template import render_chat
-from evenflow.frontend.outputs import LogprobEntry
+from evenflow.frontend.logprobs import LogprobEntry
 from evenflow.frontend.progress import Progress
 from evenflow.frontend.tokenizer import Tokenizer
 
@@ -104,21 +107,35 @@ class LLM:
     """An engine-core in the background and a synchronous API in front of it."""
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, tokenizer: str | None = None,
-                 chat_template: str | None = None, startup_timeout: float = 600.0, **engine_args: Any) -> None:
+                 chat_template: str | None = None, startup_timeout: float = 600.0, in_process: bool = False,
+                 **engine_args: Any) -> None:
         from evenflow.frontend.clients.blocking import BlockingEngineClient
 
-        if model is None:
-            from evenflow.frontend.demo_model import ensure_demo_model
+        from evenflow.frontend.default_model import choose_demo, is_demo_request
 
-            model = ensure_demo_model()
+        if is_demo_request(None if model is None else str(model)):
+            model = choose_demo(None if model is None else str(model)).model
         self.model = str(model)
         self._tmpdir = tempfile.mkdtemp(prefix="evenflow-llm-")
         self.address = f"ipc://{self._tmpdir}/engine.sock"
         self.log_path = Path(self._tmpdir) / "engine-core.log"
-        cmd = [sys.executable, "-m", "evenflow.core.cli", "--model", self.model, "--listen", self.address,
-               *engine_args_to_flags(engine_args)]
+        flags = engine_args_to_flags(engine_args)
         self._log = open(self.log_path, "wb")
-        self._proc: subprocess.Popen | None = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self._proc: subprocess.Popen | None = None
+        self._in_process: Any = None  # an InProcessEngine
+        if in_process:
+            # The one place the frontend reaches the other parts: on request, for a debuggable run.
+            from evenflow.in_process_engine import InProcessEngine
+
+            try:
+                self._in_process = InProcessEngine(self.model, self.address, flags)
+            except BaseException:
+                self._log.close()
+                shutil.rmtree(self._tmpdir, ignore_errors=True)
+                raise
+        else:
+            cmd = [sys.executable, "-m", "evenflow.core.cli", "--model", self.model, "--listen", self.address, *flags]
+            self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         self._client = BlockingEngineClient(self.address, client_name=f"llm-{os.getpid()}")
         self._ids = itertools.count()
         atexit.register(self.shutdown)
@@ -137,6 +154,8 @@ class LLM:
             except Exception as e:
                 if self._proc is not None and self._proc.poll() is not None:
                     raise RuntimeError(f"engine-core exited with code {self._proc.returncode}:\n{self._log_tail()}") from None
+                if self._in_process is not None and not self._in_process.is_alive():
+                    raise RuntimeError(f"the in-process engine-core exited with code {self._in_process.exit_code}") from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"engine-core did not answer within {timeout:.0f} s ({e})\n{self._log_tail()}") from None
 
@@ -221,15 +240,19 @@ class LLM:
         await asyncio.gather(*(one(g) for g in gens))
 
     def shutdown(self) -> None:
-        """Close the client and stop the engine-core (SIGTERM, then SIGKILL after 10 s)."""
+        """Close the client and stop the engine-core (SIGTERM, then SIGKILL after 10 s; in process:
+        a graceful stop of its thread)."""
         proc, self._proc = self._proc, None
-        if proc is None:
+        in_process, self._in_process = self._in_process, None
+        if proc is None and in_process is None:
             return
         try:
             self._client.close()
         except Exception:
             pass
-        if proc.poll() is None:
+        if in_process is not None:
+            in_process.stop(timeout=10)
+        if proc is not None and proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout=10)

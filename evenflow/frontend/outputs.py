@@ -3,7 +3,7 @@
 One ``ChoiceAssembler`` follows one engine request (one of a completion's ``n`` choices). The
 engine sends token ids; the assembler detokenizes them incrementally, watches for stop strings
 across token boundaries (holding back just enough text that a stop string split over deltas is
-never streamed) and formats logprobs. It never touches sockets: callers abort the engine request
+never streamed) and resolves logprobs (``logprobs.py``). It never touches sockets: callers abort the engine request
 when ``ChoiceDelta.stopped_by_string`` comes back.
 """
 
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from evenflow.protocol import RequestOutput, TokenLogprobs
+from evenflow.protocol import RequestOutput
 
 from evenflow.frontend.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from evenflow.frontend.logprobs import LogprobEntry, format_logprobs
 from evenflow.frontend.tokenizer import Tokenizer
 
 
@@ -53,19 +54,6 @@ class StopStringMatcher:
         cut = max(0, len(text) - self.hold)
         self._pending = text[cut:]
         return text[:cut], None
-
-
-@dataclass
-class LogprobEntry:
-    """One sampled token's logprob and its top alternatives, with token strings resolved."""
-
-    token: str
-    token_id: int
-    logprob: float
-    top: list[tuple[str, int, float]]  # (token string, id, logprob), best first
-    # Characters of the choice's text before this token (from the detokenizer's real deltas, so a
-    # token that only completes a character shares its offset with the bytes before it).
-    text_offset: int = 0
 
 
 @dataclass
@@ -121,17 +109,19 @@ class ChoiceAssembler:
             return ChoiceDelta("", [], None)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         new_ids = list(out.new_token_ids)
+        shown = shown_token_count(new_ids, out.finish_reason, self.include_stop_str_in_output)
         offsets: list[int] | None = None
         if out.logprobs is None:
-            text = self.detok.push(new_ids)
+            text = self.detok.push(new_ids[:shown])
         else:  # one token at a time, to know where each token's text starts
             offsets, parts, at = [], [], self.detok_chars
-            for tok in new_ids:
+            for tok in new_ids[:shown]:
                 held = self.detok.has_pending
                 piece = self.detok.push([tok])
                 offsets.append(at + _own_text_start(self.tokenizer, tok, piece) if held else at)
                 parts.append(piece)
                 at += len(piece)
+            offsets += [at] * (len(new_ids) - shown)  # the stop token: where the text ends
             text = "".join(parts)
         final = out.finish_reason is not None
         if final:
@@ -154,6 +144,15 @@ class ChoiceAssembler:
         return delta
 
 
+def shown_token_count(new_ids: list[int], engine_finish_reason: str | None, include_stop_str_in_output: bool) -> int:
+    """How many of a delta's tokens show in the text. The engine finishes with "stop" only on an
+    EOS or stop token, the delta's last: as vLLM, that token stays in ``token_ids`` and out of the
+    text (whether or not it is special) unless ``include_stop_str_in_output``."""
+    if engine_finish_reason == "stop" and new_ids and not include_stop_str_in_output:
+        return len(new_ids) - 1
+    return len(new_ids)
+
+
 def _own_text_start(tokenizer: Tokenizer, token_id: int, piece: str) -> int:
     """Where ``token_id``'s own text starts in ``piece``, the delta its push released together with
     held-back text of earlier tokens (a byte-fallback run ends only when a later token comes)."""
@@ -161,42 +160,3 @@ def _own_text_start(tokenizer: Tokenizer, token_id: int, piece: str) -> int:
     if own and REPLACEMENT_CHAR not in own and piece.endswith(own):
         return len(piece) - len(own)
     return 0  # the token completes a held character: it starts where that character does
-
-
-def format_logprobs(tokenizer: Tokenizer, sampled: list[int], entries: list[TokenLogprobs] | None,
-                    text_offsets: list[int] | None = None) -> list[LogprobEntry]:
-    """Resolve token strings of the engine's logprobs (sampled token first, then the top-n);
-    ``text_offsets`` are where each sampled token's text starts in the choice's text."""
-    result: list[LogprobEntry] = []
-    if not entries:
-        return result
-    offsets = text_offsets if text_offsets is not None else [0] * len(sampled)
-    for tok_id, e, offset in zip(sampled, entries, offsets):
-        ids, lps = e.token_ids, e.logprobs
-        own = lps[0] if lps else 0.0
-        top = [(tokenizer.token_string(i), i, lp) for i, lp in zip(ids[1:], lps[1:])]
-        result.append(LogprobEntry(tokenizer.token_string(tok_id), tok_id, own, top, offset))
-    return result
-
-
-def completion_logprobs_json(entries: list[LogprobEntry], text_offset_start: int = 0) -> dict:
-    """OpenAI legacy completions format: parallel lists plus ``top_logprobs`` dicts.
-    ``text_offset`` is each entry's offset shifted by ``text_offset_start`` (an echoed prefix)."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for e in entries:
-        tokens.append(e.token)
-        token_logprobs.append(e.logprob)
-        tops = {s: lp for s, _, lp in e.top}
-        tops.setdefault(e.token, e.logprob)
-        top_logprobs.append(tops)
-        offsets.append(text_offset_start + e.text_offset)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
-
-
-def chat_logprobs_json(entries: list[LogprobEntry], top_n: int) -> dict:
-    """OpenAI chat format: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-    content = []
-    for e in entries:
-        top = [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))} for s, _, lp in e.top[:top_n]]
-        content.append({"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode("utf-8")), "top_logprobs": top})
-    return {"content": content}

@@ -26,11 +26,10 @@ from typing import Callable, Sequence
 
 from evenflow.protocol.lifeline import child_env
 
+from evenflow.frontend.default_model import RANDOM_DEMO, choose_demo, is_demo_request
 from evenflow.frontend.flags import add_frontend_flags
 from evenflow.frontend.reuse_port import bind_reuseport
 from evenflow.frontend.supervisor import Child, Supervisor
-
-DEMO_NAME = "demo"
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -40,7 +39,8 @@ def serve_parser() -> argparse.ArgumentParser:
         description="Start one engine-core and N frontends. Flags not listed here go to engine-core "
         "(see `engine-core --help`).",
     )
-    p.add_argument("--model", default=None, help="model folder (default: the built-in demo model, random weights)")
+    p.add_argument("--model", default=None, help="model folder or .gguf file (default: SmolLM2-135M-Instruct, fetched "
+                   f"once with pip; {RANDOM_DEMO}: the random-weight demo)")
     p.add_argument("--frontends", type=int, default=1, help="HTTP frontend processes sharing the port")
     p.add_argument("--engine-listen", default=None, help="engine-core address (default: ipc:// in a temp folder; "
                    "only with one engine-core)")
@@ -89,6 +89,16 @@ def _pin_to(cpus: set[int] | None) -> Callable[[], None] | None:
     return lambda: os.sched_setaffinity(0, cpus)
 
 
+def _answers(url: str) -> bool:
+    """Whether ``url`` answers 200 (a frontend is up and its engine-core answers)."""
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def serve_main(argv: Sequence[str]) -> int:
     args, engine_flags = serve_parser().parse_known_args(list(argv))
     if args.frontends < 1 or args.data_parallel_size < 1:
@@ -101,14 +111,9 @@ def serve_main(argv: Sequence[str]) -> int:
     served_name = args.served_model_name
     note = ""
     model = args.model
-    if model is None:
-        from evenflow.frontend.demo_model import RANDOM_WEIGHTS_NOTE, default_demo_dir, ensure_demo_model
-
-        if not (default_demo_dir() / "config.json").exists():
-            print(f"evenflow: writing the demo model to {default_demo_dir()} (first use) ...", flush=True)
-        model = str(ensure_demo_model())
-        served_name = served_name or DEMO_NAME
-        note = f"\n  NOTE: {RANDOM_WEIGHTS_NOTE} (pass --model DIR for a real model)"
+    if is_demo_request(model):
+        demo = choose_demo(model)
+        model, served_name, note = demo.model, served_name or demo.served_name, demo.note
     workdir = tempfile.mkdtemp(prefix="evenflow-serve-")
     dp = args.data_parallel_size
     engine_addrs = ([args.engine_listen or f"ipc://{workdir}/engine.sock"] if dp == 1
@@ -149,8 +154,9 @@ def serve_main(argv: Sequence[str]) -> int:
     supervisor = Supervisor(engines + frontends)
     supervisor.start_all()
     where = ", ".join(f"{a} (pid {c.proc.pid})" for a, c in zip(engine_addrs, engines) if c.proc is not None)
-    print(f"evenflow: serving {served_name or model} on http://{args.host}:{port} with {args.frontends} "
-          f"frontend(s); engine-core(s) at {where}{note}", flush=True)
+    serving = (f"evenflow: serving {served_name or model} on http://{args.host}:{port} with {args.frontends} "
+               f"frontend(s); engine-core(s) at {where}{note}")
+    health = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{port}/health"
 
     stopping = False
 
@@ -161,12 +167,16 @@ def serve_main(argv: Sequence[str]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
+    announced = False
     try:
         while not stopping:
             ended = supervisor.poll(time.monotonic())
             if ended is not None:
                 code = ended
                 break
+            if not announced and _answers(health):  # the engine is ready and a frontend serves it
+                print(serving, flush=True)
+                announced = True
             time.sleep(0.2)
     finally:
         # Frontends first (they drain and close their engine connections), then the engine-core.

@@ -16,7 +16,9 @@ from evenflow.frontend.choices import InvalidRequest
 
 
 def canonical_json(schema: Any, field: str) -> str:
-    """A schema (an object, or its JSON text) as canonical JSON text: the engine caches by it."""
+    """A schema (an object, or its JSON text) as compact JSON text, its keys in the order written:
+    the engine caches compiles by this text, and the grammar emits an object's properties in the
+    order the schema declares them (sorting would reorder every generated object)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -24,7 +26,7 @@ def canonical_json(schema: Any, field: str) -> str:
             raise InvalidRequest(f"{field} is not valid JSON: {e}", field) from None
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequest(f"{field} must be a JSON schema (an object)", field)
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 def check_structured_outputs(params: StructuredOutputsParams, field: str) -> StructuredOutputsParams:

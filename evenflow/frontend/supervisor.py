@@ -52,8 +52,7 @@ class Supervisor:
         for child in self.children:
             if child.proc is not None and (code := child.proc.poll()) is not None:
                 pid, child.proc = child.proc.pid, None
-                if code == EXIT_CONFIG:
-                    _say(f"{child.name} (pid {pid}) refused its flags (exit code 2); stopping everything")
+                if code == EXIT_CONFIG:  # the child named the refused flag in one line already
                     return EXIT_CONFIG
                 child.deaths = [t for t in child.deaths if now - t < self.window_s] + [now]
                 if len(child.deaths) > self.max_restarts:

@@ -129,8 +129,9 @@ class SchedulerOutput(Struct, tag="sched", array_like=True):
     scheduled_cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    # Speculative tokens to verify this step, per request (counted in num_scheduled_tokens).
-    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Draft slots per request (counted in num_scheduled_tokens): the worker fills up to this many
+    # with its own drafts (the engine-core never sees draft tokens).
+    num_draft_slots: dict[str, int] = {}
     # Requests that finished or were aborted since the last step: workers drop their state.
     finished_req_ids: list[str] = []
     # Requests preempted this step: workers drop them from the running batch but keep their
@@ -155,9 +156,9 @@ class ModelRunnerOutput(Struct, tag="mro", array_like=True):
     sampled_token_ids: list[list[int]]
     # Per request, one TokenLogprobs per sampled token (speculation may emit several per step).
     logprobs: list[list[TokenLogprobs] | None] | None = None
-    # Per request, the drafts proposed after this step (known only to the worker with overlap on;
-    # the engine-core uses their count to reserve budget when overlap is off).
-    spec_token_ids: list[list[int]] | None = None
+    # Per request, how many drafts the worker proposed after this step (it keeps the tokens; with
+    # overlap off the engine-core reserves that many slots next step). None: no speculation.
+    num_proposed_drafts: list[int] | None = None
     # Worker-side timing of this step in seconds: input building, forward, sampling.
     prepare_s: float = 0.0
     forward_s: float = 0.0
@@ -212,6 +213,14 @@ class InitKVCache(Struct, tag="init_kv", array_like=True):
     num_kv_blocks: int
 
 
+class KVCacheReady(Struct, tag="kv_ready", array_like=True):
+    """A worker allocated (and wrote, so it is resident) the KV cache InitKVCache asked for: the
+    engine reports ready only after every rank's."""
+
+    rank: int
+    num_kv_blocks: int
+
+
 class WorkerShutdown(Struct, tag="shutdown", array_like=True):
     """Ask workers to exit cleanly."""
 
@@ -225,7 +234,7 @@ class WorkerError(Struct, tag="worker_error", array_like=True):
 
 
 EngineToWorker = SchedulerOutput | InitKVCache | WorkerShutdown
-WorkerToEngine = ModelRunnerOutput | WorkerReady | WorkerError
+WorkerToEngine = ModelRunnerOutput | WorkerReady | KVCacheReady | WorkerError
 
 # --------------------------------------------------------------------------------------------
 # frontend <-> engine-core
@@ -406,7 +415,8 @@ EngineToFrontend = Ready | Outputs | Error | UtilityResult
 # Error codes (also listed in evenflow/protocol/README.md).
 ERR_BAD_FRAME = "bad_frame"  # undecodable bytes, unknown tag, wrong field type, oversize
 ERR_VERSION = "version_mismatch"
-ERR_NOT_READY = "no_hello"  # a message before Hello, or (unsolicited) the client was dropped
+ERR_NOT_READY = "no_hello"  # a message before Hello (or after the engine forgot the client)
+ERR_CLIENT_DROPPED = "client_dropped"  # unsolicited: the engine dropped a silent client, its requests aborted
 ERR_INVALID_REQUEST = "invalid_request"  # bad params, out-of-vocab ids, too long prompt
 ERR_DUPLICATE_ID = "duplicate_request_id"
 ERR_WORKER_DIED = "worker_died"

@@ -146,10 +146,10 @@ class PersistentBatch:
         """Build the flat varlen inputs of the scheduled requests (decodes first)."""
         decodes: list[RequestState] = []
         others: list[RequestState] = []
-        draft_slots = so.scheduled_spec_decode_tokens
+        draft_slots = so.num_draft_slots
         # Draft slots the worker has no draft for are left out of the step (it proposed fewer).
         num_scheduled = {
-            req_id: n - len(draft_slots[req_id]) + min(len(draft_slots[req_id]), self.requests[req_id].num_drafts)
+            req_id: n - draft_slots[req_id] + min(draft_slots[req_id], self.requests[req_id].num_drafts)
             if req_id in draft_slots else n
             for req_id, n in so.num_scheduled_tokens.items()
         }

@@ -91,7 +91,10 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     """
     hf = read_hf_config(model_dir)
     raw = hf.text
-    archs = hf.raw.get("architectures") or []
+    # A config.json without ``architectures`` (transformers' GGUF loader writes none) is read the
+    # way transformers' auto classes read it: by its model_type.
+    archs = hf.raw.get("architectures") or [a for a in SUPPORTED_ARCHITECTURES
+                                            if a.removesuffix("ForCausalLM").lower() == raw.get("model_type")]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ValueError(

@@ -21,12 +21,43 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
-def cpu_num_blocks(block_bytes: int, kv_cache_memory: int | None, world_size: int) -> int:
-    """Blocks that fit in ``kv_cache_memory`` bytes, or in a share of available RAM."""
-    budget = kv_cache_memory
-    if budget is None:
-        budget = int(psutil.virtual_memory().available * CPU_DEFAULT_RAM_SHARE / max(world_size, 1))
-    return budget // block_bytes
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class KVCacheSize:
+    """How many blocks a rank's cache holds, and why that many (said in the log)."""
+
+    num_blocks: int
+    reason: str
+
+
+def blocks_usable(max_model_len: int, max_num_seqs: int, block_size: int, lookahead_tokens: int = 0) -> int:
+    """The most blocks the scheduler can ever fill: ``max_num_seqs`` requests of ``max_model_len``
+    tokens (plus their speculative lookahead) at once. More would never be used."""
+    return max_num_seqs * -(-(max_model_len + lookahead_tokens) // block_size)
+
+
+def cpu_kv_cache_size(block_bytes: int, kv_cache_memory: int | None, world_size: int, usable_blocks: int,
+                      available_bytes: int | None = None) -> KVCacheSize:
+    """``kv_cache_memory`` bytes when given (refused when more than the RAM available); else what the
+    scheduler can use (``blocks_usable``), capped by ``CPU_DEFAULT_RAM_SHARE`` of the available RAM
+    split over the ranks (``available_bytes``: measured now, after the weights, when None)."""
+    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    if kv_cache_memory is not None:
+        if kv_cache_memory > available:
+            raise ValueError(f"--kv-cache-memory {kv_cache_memory / GIB:.2f} GiB is more than the "
+                             f"{available / GIB:.2f} GiB of RAM available")
+        blocks = kv_cache_memory // block_bytes
+        return KVCacheSize(blocks, f"--kv-cache-memory {kv_cache_memory / GIB:.2f} GiB")
+    cap_bytes = int(available * CPU_DEFAULT_RAM_SHARE / max(world_size, 1))
+    cap = cap_bytes // block_bytes
+    usable = f"{usable_blocks * block_bytes / GIB:.2f} GiB is what max_num_seqs x max_model_len can use"
+    bound = (f"{CPU_DEFAULT_RAM_SHARE:.0%} of the {available / GIB:.1f} GiB of RAM available"
+             + (f" / {world_size} ranks" if world_size > 1 else "") + f" = {cap_bytes / GIB:.2f} GiB")
+    if usable_blocks <= cap:
+        return KVCacheSize(usable_blocks, f"{usable} (under the cap: {bound}; set --kv-cache-memory to change)")
+    return KVCacheSize(cap, f"capped by {bound}; {usable} (set --kv-cache-memory to change)")
 
 
 @dataclass(frozen=True)
@@ -44,6 +75,20 @@ def measure_cuda_memory(device: torch.device) -> CudaMemory:
     free, total = torch.cuda.mem_get_info(device)
     peak = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
     return CudaMemory(total=total, used=total - free, activation_peak=max(peak, 0))
+
+
+def cuda_kv_cache_size(block_bytes: int, memory: CudaMemory, kv_cache_memory: int | None,
+                       usable_blocks: int) -> KVCacheSize:
+    """``cuda_num_blocks``, never more than the scheduler can use (``blocks_usable``), with its reason."""
+    fits = cuda_num_blocks(block_bytes, memory, kv_cache_memory)
+    if kv_cache_memory is not None:
+        return KVCacheSize(fits, f"--kv-cache-memory {kv_cache_memory / GIB:.2f} GiB")
+    usable = f"{usable_blocks * block_bytes / GIB:.2f} GiB is what max_num_seqs x max_model_len can use"
+    bound = (f"{CUDA_MEMORY_UTILIZATION:.0%} of the device's {memory.total / GIB:.1f} GiB after "
+             f"{memory.used / GIB:.2f} GiB in use and {memory.activation_peak / GIB:.2f} GiB of activations")
+    if usable_blocks <= fits:
+        return KVCacheSize(usable_blocks, f"{usable} (under the cap: {bound})")
+    return KVCacheSize(fits, f"capped by {bound}; {usable}")
 
 
 def cuda_num_blocks(block_bytes: int, memory: CudaMemory, kv_cache_memory: int | None) -> int:
@@ -73,7 +118,9 @@ def allocate_kv_cache(
     """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim], zero-filled.
 
     Zeros, not ``empty``: padded positions of a gathered context are masked out of the softmax but
-    still multiplied by zero probabilities, and uninitialized memory could hold NaNs.
+    still multiplied by zero probabilities, and uninitialized memory could hold NaNs. Writing the
+    zeros also touches every page, so the memory is resident (and its cost known) before the engine
+    reports ready, not faulted in under the first requests.
     """
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [

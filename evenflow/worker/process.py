@@ -31,7 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from evenflow.protocol import (
-    EngineToWorker, InitKVCache, ModelRunnerOutput, SchedulerOutput, WorkerConfig, WorkerError,
+    EngineToWorker, InitKVCache, KVCacheReady, ModelRunnerOutput, SchedulerOutput, WorkerConfig, WorkerError,
     WorkerReady, WorkerShutdown,
 )
 from evenflow.protocol.link_auth import SECRET_ENV, derive_link_keys, secure_client
@@ -39,6 +39,7 @@ from evenflow.protocol.link_auth import SECRET_ENV, derive_link_keys, secure_cli
 from evenflow.protocol.lifeline import die_with_parent
 
 from evenflow.worker.fault_injection import FaultInjector
+from evenflow.worker.omp_env import quiet_omp_waits
 
 log = logging.getLogger("evenflow.worker.process")
 
@@ -129,6 +130,7 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
                     push.send(encode(out), copy=False)
             elif isinstance(msg, InitKVCache):
                 runner.init_kv_cache(msg.num_kv_blocks)
+                push.send(encode(KVCacheReady(cfg.rank, msg.num_kv_blocks)))
                 # Start-up leaves millions of long-lived objects (torch, the model) that every full
                 # garbage collection would rescan: such collections took 46-91 ms here at start-up.
                 gc.freeze()
@@ -150,7 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="WorkerConfig as JSON")
     args = parser.parse_args(argv)
     cfg = msgspec.json.decode(args.config, type=WorkerConfig)
+    quiet = quiet_omp_waits()  # before torch loads the OpenMP runtime (serve imports it)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{cfg.rank} %(levelname)s %(message)s")
+    if quiet and cfg.rank == 0:
+        log.info("OpenMP threads sleep between regions (%s): spinning collapses when a core is shared",
+                 " ".join(f"{k}={v}" for k, v in quiet.items()))
     # Ctrl-C in a terminal (or a SIGTERM to the process group) reaches every process: the
     # engine-core decides when we stop (WorkerShutdown), and we exit by ourselves if it dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

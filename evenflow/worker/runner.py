@@ -26,7 +26,7 @@ from evenflow.worker.config_reader import read_model_config
 from evenflow.worker.device_timer import ForwardTimer
 from evenflow.worker.grammar_mask import apply_grammar_bitmask
 from evenflow.worker.kv_cache import (
-    allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks, measure_cuda_memory,
+    allocate_kv_cache, blocks_usable, bytes_per_block, cpu_kv_cache_size, cuda_kv_cache_size, measure_cuda_memory,
 )
 from evenflow.worker.loader import load_weights, resolve_dtype
 from evenflow.worker.models.registry import build_model
@@ -35,7 +35,7 @@ from evenflow.worker.sampler import Sampler
 from evenflow.worker.sampling_metadata import SamplingMetadata
 from evenflow.worker.spec_decode import GeneratorRewind, NgramDrafter, accept_drafts, emitted_rows
 from evenflow.worker.synthetic_steps import SyntheticStep, heaviest_sampling, synthetic_step, warmup_shapes
-from evenflow.worker.threads import ThreadSetter, plan_step_threads, step_flops
+from evenflow.worker.threads import ThreadSetter, plan_step_threads, process_run_queue_wait, step_flops
 
 log = logging.getLogger("evenflow.worker.runner")
 
@@ -85,7 +85,8 @@ class ModelRunner:
         self.model = build_model(self.model_config, self.tp, self.torch_dtype, self.device, config.max_model_len)
         self.num_params = sum(p.numel() for p in self.model.parameters())  # this rank's shard
         self.threads = ThreadSetter(plan_step_threads(self.device, config.world_size, config.num_threads),
-                                    self.num_params * torch.empty(0, dtype=self.torch_dtype).element_size())
+                                    self.num_params * torch.empty(0, dtype=self.torch_dtype).element_size(),
+                                    process_run_queue_wait)
         load_weights(self.model, config.model, config.load_format, config.seed)
         self.model.eval()
         cfg = self.model_config
@@ -107,15 +108,23 @@ class ModelRunner:
                                self.model_config.head_dim, self.torch_dtype)
 
     def determine_num_kv_blocks(self) -> int:
-        """Blocks this rank can hold: ``num_kv_blocks`` if set, else from memory (see kv_cache.py)."""
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
+        """Blocks this rank can hold: ``num_kv_blocks`` if set, else from memory and what the
+        scheduler can use (see kv_cache.py); the log says which."""
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        lookahead = c.speculative_config.num_speculative_tokens if c.speculative_config is not None else 0
+        usable = blocks_usable(c.max_model_len, c.max_num_seqs, self.block_size, lookahead)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)  # the peak of this profile, not of loading
             self.profile_forward()
-            return cuda_num_blocks(self._block_bytes(), measure_cuda_memory(self.device), self.config.kv_cache_memory)
-        return cpu_num_blocks(self._block_bytes(), self.config.kv_cache_memory, self.config.world_size)
+            size = cuda_kv_cache_size(self._block_bytes(), measure_cuda_memory(self.device), c.kv_cache_memory, usable)
+        else:
+            size = cpu_kv_cache_size(self._block_bytes(), c.kv_cache_memory, c.world_size, usable)
+        log.info("KV cache of rank %d: %d blocks of %d tokens (%.2f GiB, %s): %s", c.rank, size.num_blocks,
+                 self.block_size, size.num_blocks * self._block_bytes() / 2**30, self.dtype, size.reason)
+        return size.num_blocks
 
     def profile_forward(self) -> None:
         """The largest step (max_num_batched_tokens, max_num_seqs samples) on a scratch cache, then
@@ -256,19 +265,18 @@ class ModelRunner:
         aligned: list[list[TokenLogprobs] | None] | None = None
         if logprobs is not None:
             aligned = [logprobs[a:b] if b > a and logprobs[a] is not None else None for a, b in spans]
-        spec_token_ids = num_draft_tokens = None
+        num_proposed = num_draft_tokens = None
         if proposals is not None:
             proposed = np.zeros(len(mask), dtype=np.int64)
             proposed[mask] = proposals
-            spec_token_ids = [self.batch.token_ids[s.row, s.num_tokens : s.num_tokens + n].tolist()
-                              for s, n in zip(inputs.requests, proposed.tolist())]
+            num_proposed = proposed.tolist()
             num_draft_tokens = inputs.num_drafts.tolist()
         return ModelRunnerOutput(
             step_id=step_id,
             req_ids=[s.req_id for s in inputs.requests],
             sampled_token_ids=sampled_lists,
             logprobs=aligned,
-            spec_token_ids=spec_token_ids,
+            num_proposed_drafts=num_proposed,
             prepare_s=prepare_s,
             forward_s=forward_s,
             sample_s=sample_s,

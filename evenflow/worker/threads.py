@@ -12,14 +12,17 @@ A CPU worker shares its cores with the engine-core, the frontends and their sock
 * All cores is a bet that they are free. When another process keeps a core busy, each of the
   step's parallel regions waits a scheduler time slice for the descheduled thread: in one run with
   a busy-looping process beside the tiny model, 2-thread steps made p99 ITL 1.27 s against 61 ms
-  on 1 thread. So ``ThreadSetter`` watches what long steps cost and leaves a core free for a
-  while when one costs far more than usual (see its docstring).
+  on 1 thread. Most of that was OpenMP's spinning (idle threads burning the slices the late one
+  needed): workers now sleep between regions (``evenflow/worker/omp_env.py``). What is left, a
+  region waiting for a thread that shares its core, ``ThreadSetter`` handles: it watches what long
+  steps cost and leaves a core free for a while when one costs far more than usual.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +46,10 @@ CONTENTION_STREAK = 2
 BASELINE_DRIFT = 0.01
 # Long steps on fewer threads before every core is tried again: from MIN, doubling while contended.
 MIN_RETRY_GAP, MAX_RETRY_GAP = 16, 1024
+# A long step on every core whose threads stood in the run queue this many thread-seconds per
+# second of the step (on average a quarter of a thread waiting for a CPU) had a core taken: on an
+# idle machine the wait is ~0, with one busy process on one of 2 cores ~0.5.
+RUN_QUEUE_WAIT_LIMIT = 0.25
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,22 @@ class StepThreads:
 
     small: int
     big: int
+
+
+def process_run_queue_wait() -> float | None:
+    """Seconds this process's threads have spent runnable but waiting for a CPU, summed over the
+    threads (Linux ``/proc/self/task/*/schedstat``, its second field); None where not available."""
+    total = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                    total += int(f.read().split()[1])
+            except (FileNotFoundError, ProcessLookupError):  # a thread that just exited
+                continue
+    except (OSError, IndexError, ValueError):
+        return None
+    return total / 1e9
 
 
 def usable_cores() -> int:
@@ -77,11 +100,18 @@ class ThreadSetter:
     short-step count for ``retry_gap`` of them, then every core is tried again (the gap doubles
     while contention lasts). An uncontended machine never pays for a probe.
 
+    A long step whose threads waited in the run queue more than ``RUN_QUEUE_WAIT_LIMIT`` (read with
+    ``run_queue_wait``, e.g. ``process_run_queue_wait``) counts as such a step too: that sees a taken
+    core directly, even when the best cost seen was itself measured on a busy machine.
+
     ``weight_bytes``: what one step streams regardless of its size (this rank's weights).
     """
 
-    def __init__(self, plan: StepThreads | None, weight_bytes: int) -> None:
+    def __init__(self, plan: StepThreads | None, weight_bytes: int,
+                 run_queue_wait: Callable[[], float | None] | None = None) -> None:
         self.plan = plan
+        self.run_queue_wait = run_queue_wait
+        self._wait_before: float | None = None
         self.weight_seconds = weight_bytes / CORE_WEIGHT_BYTES_PER_S
         self.current = torch.get_num_threads()
         self.best: dict[int, float] = {}  # log2(tokens) -> best seconds per FLOP on every core
@@ -106,9 +136,18 @@ class ThreadSetter:
             else:
                 wanted = plan.big
                 self._step = (num_tokens.bit_length(), flops)
+                self._wait_before = self.run_queue_wait() if self.run_queue_wait is not None else None
         if wanted != self.current:
             torch.set_num_threads(wanted)
             self.current = wanted
+
+    def _queue_wait_per_second(self, seconds: float) -> float | None:
+        """Thread-seconds of run-queue wait per second of the step just measured (None: unknown)."""
+        before, self._wait_before = self._wait_before, None
+        if before is None or self.run_queue_wait is None or seconds <= 0:
+            return None
+        after = self.run_queue_wait()
+        return None if after is None else (after - before) / seconds
 
     def after_step(self, seconds: float) -> None:
         """Record how long the step set up by the last ``before_step`` took."""
@@ -117,14 +156,18 @@ class ThreadSetter:
         bucket, flops = self._step
         cost = seconds / max(flops, 1.0)
         best = self.best.get(bucket)
-        if best is not None and cost > CONTENTION_FACTOR * best:
+        waited = self._queue_wait_per_second(seconds)
+        queued = waited is not None and waited > RUN_QUEUE_WAIT_LIMIT
+        if queued or (best is not None and cost > CONTENTION_FACTOR * best):
             self.slow_streak += 1
             # A retry after a fallback needs no confirmation: contention was already seen.
             if self.slow_streak < CONTENTION_STREAK and self.retry_gap == MIN_RETRY_GAP:
                 return
             assert self.plan is not None
-            log.warning("a %d-thread step took %.1fx its usual time per FLOP: a core is busy elsewhere; the next "
-                        "%d long steps run on %d threads", self.plan.big, cost / best, self.retry_gap, self.plan.small)
+            why = (f"its threads waited for a CPU {waited:.2f} s per second" if queued
+                   else f"it took {cost / best:.1f}x its usual time per FLOP")  # type: ignore[operator]
+            log.warning("a %d-thread step: %s, a core is busy elsewhere; the next %d long steps run on %d threads",
+                        self.plan.big, why, self.retry_gap, self.plan.small)
             self.fallback_steps = self.retry_gap
             self.retry_gap = min(2 * self.retry_gap, MAX_RETRY_GAP)
             self.slow_streak = 0

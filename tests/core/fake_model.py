@@ -114,7 +114,7 @@ class FakeWorker:
         proposals: list[list[int]] = []
         for req_id, num_new in output.num_scheduled_tokens.items():
             tokens = self.tokens[req_id]
-            num_slots = len(output.scheduled_spec_decode_tokens.get(req_id, ()))
+            num_slots = output.num_draft_slots.get(req_id, 0)
             drafts = self.drafts.get(req_id, [])[:num_slots]
             start = self.num_computed[req_id]
             end = start + num_new - num_slots
@@ -143,7 +143,7 @@ class FakeWorker:
             proposals.append(self.drafts.get(req_id, []) if sampled[-1] else [])
         if not self.draft_k:
             return ModelRunnerOutput(output.step_id, req_ids, sampled)
-        return ModelRunnerOutput(output.step_id, req_ids, sampled, spec_token_ids=proposals,
+        return ModelRunnerOutput(output.step_id, req_ids, sampled, num_proposed_drafts=[len(p) for p in proposals],
                                  num_draft_tokens=verified)
 
     def _slot(self, req_id: str, position: int) -> tuple[int, int]:

@@ -19,7 +19,7 @@ def test_append_updates_output_and_all_tokens_together() -> None:
     assert list(request.output_token_ids) == [7, 8, 9]
     assert list(request.prompt_token_ids) == [5, 6]
     assert (request.num_tokens, request.num_output_tokens, request.num_prompt_tokens) == (5, 3, 2)
-    request.spec_token_ids = [1, 1]
+    request.num_proposed_drafts = 2
     assert request.num_tokens_with_spec == 7
 
 

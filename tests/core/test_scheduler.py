@@ -256,18 +256,18 @@ def test_draft_slots_count_in_the_budget_and_are_trimmed() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=3, speculative_config=SpeculativeConfig("ngram", 3))
     request = add(scheduler, "a", 2)
     output = scheduler.schedule()
-    scheduler.update_from_output(output, ModelRunnerOutput(output.step_id, ["a"], [[7]], spec_token_ids=[[1, 2, 3]]))
-    assert request.spec_token_ids == [1, 2, 3]
+    scheduler.update_from_output(output, ModelRunnerOutput(output.step_id, ["a"], [[7]], num_proposed_drafts=[3]))
+    assert request.num_proposed_drafts == 3
     output = scheduler.schedule()
     assert output.num_scheduled_tokens == {"a": 3}  # the last token + 2 drafts: the budget cut one
-    assert output.scheduled_spec_decode_tokens == {"a": [-1, -1]}  # the worker fills them
+    assert output.num_draft_slots == {"a": 2}  # the worker fills them
     assert request.num_computed_tokens == 5 and request.num_output_placeholders == 3
     # One draft accepted, then a bonus token: the rejected draft's position is recomputed.
     scheduler.update_from_output(
-        output, ModelRunnerOutput(output.step_id, ["a"], [[1, 8]], spec_token_ids=[[]], num_draft_tokens=[2])
+        output, ModelRunnerOutput(output.step_id, ["a"], [[1, 8]], num_proposed_drafts=[0], num_draft_tokens=[2])
     )
     assert list(request.output_token_ids) == [7, 1, 8] and request.num_output_placeholders == 0
-    assert request.num_computed_tokens == 4 == request.num_tokens - 1 and request.spec_token_ids == []
+    assert request.num_computed_tokens == 4 == request.num_tokens - 1 and request.num_proposed_drafts == 0
     stats = scheduler.get_stats()
     assert (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens) == (1, 2)
     assert stats.spec_decode_num_accepted_tokens == 1 and stats.spec_decode_num_accepted_tokens_per_pos == [1, 0]
@@ -279,7 +279,7 @@ def test_with_a_step_in_flight_k_slots_are_reserved_and_none_past_max_tokens() -
     scheduler.schedule()  # the prompt; its token is in flight
     step1 = scheduler.schedule()
     # 1 + K would emit up to 5 tokens, with 1 in flight and max_tokens 4: 2 slots at most.
-    assert step1.scheduled_spec_decode_tokens == {"a": [-1, -1]} and request.num_output_placeholders == 4
+    assert step1.num_draft_slots == {"a": 2} and request.num_output_placeholders == 4
 
 
 def test_no_drafts_once_disable_by_batch_size_requests_run() -> None:
@@ -287,10 +287,10 @@ def test_no_drafts_once_disable_by_batch_size_requests_run() -> None:
     scheduler = make_scheduler(speculative_config=spec)
     add(scheduler, "a", 5)
     scheduler.schedule()
-    assert scheduler.schedule().scheduled_spec_decode_tokens == {"a": [-1, -1, -1]}
+    assert scheduler.schedule().num_draft_slots == {"a": 3}
     add(scheduler, "b", 5)
     scheduler.schedule()  # admits b
-    assert scheduler.schedule().scheduled_spec_decode_tokens == {}
+    assert scheduler.schedule().num_draft_slots == {}
 
 
 # ------------------------------------------------------------------------------- overlap

@@ -19,11 +19,11 @@ def test_drafts_are_cut_at_max_model_len() -> None:
                                speculative_config=SpeculativeConfig("ngram", 3))
     request = add(scheduler, "a", 6)
     output = scheduler.schedule()
-    scheduler.update_from_output(output, ModelRunnerOutput(output.step_id, ["a"], [[7]], spec_token_ids=[[1, 2, 3]]))
-    assert request.num_tokens == 7 and request.spec_token_ids == [1, 2, 3]
+    scheduler.update_from_output(output, ModelRunnerOutput(output.step_id, ["a"], [[7]], num_proposed_drafts=[3]))
+    assert request.num_tokens == 7 and request.num_proposed_drafts == 3
     output = scheduler.schedule()
     assert output.num_scheduled_tokens == {"a": 2}  # position 6 and one draft: up to 9 tokens
-    assert output.scheduled_spec_decode_tokens == {"a": [-1]}
+    assert output.num_draft_slots == {"a": 1}
     assert request.num_computed_tokens == 8
 
 
@@ -108,13 +108,13 @@ def test_a_request_preempted_with_drafts_in_flight_resumes_with_blocks_for_every
     b = add(scheduler, "b", 3, arrival=1.0, max_tokens=4)
     first = scheduler.schedule()
     scheduler.update_from_output(first, ModelRunnerOutput(first.step_id, ["a", "b"], [[5], [5]],
-                                                          spec_token_ids=[[], [6, 7]]))
+                                                          num_proposed_drafts=[0, 2]))
     drafting = scheduler.schedule()
-    assert drafting.scheduled_spec_decode_tokens == {"b": [-1, -1]}
+    assert drafting.num_draft_slots == {"b": 2}
     following = scheduler.schedule()
     assert following.preempted_req_ids == ["b"]
     scheduler.update_from_output(drafting, ModelRunnerOutput(drafting.step_id, ["a", "b"], [[5], [5]],
-                                                             spec_token_ids=[[], []], num_draft_tokens=[0, 2]))
+                                                             num_proposed_drafts=[0, 0], num_draft_tokens=[0, 2]))
     assert b.num_computed_tokens == 0 and b.num_tokens == 5
     scheduler.update_from_output(following, sample(following, {}, scheduler))
     resumed = []

@@ -276,7 +276,7 @@ def test_silent_client_is_dropped_and_told_so(ctx: zmq.Context, tmp_path: Path) 
         identity = lk.inbox.get(timeout=3).identity
         gone = lk.inbox.get(timeout=3)
         assert isinstance(gone, ClientGone) and "silent" in gone.reason
-        told = expect_error(p, "no_hello")  # unsolicited: the client sent nothing since
+        told = expect_error(p, "client_dropped")  # unsolicited: the client sent nothing since
         assert "dropped" in told.message and "send hello, then resubmit" in told.message
         # Until the engine loop has handled the ClientGone, what it sends that client is stale.
         lk.send(identity, Outputs([RequestOutput("old", [5])]))

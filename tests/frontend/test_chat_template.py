@@ -32,8 +32,9 @@ def test_missing_or_broken_template() -> None:
         render_chat("{% for %}", [])
 
 
-def test_content_parts() -> None:
-    assert content_text([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == "ab"
+def test_content_parts_join_with_a_newline_as_vllm() -> None:
+    assert content_text([{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]) == "Hello\nworld"
+    assert content_text([{"type": "text", "text": "one"}]) == "one"
     with pytest.raises(ChatTemplateError):
         content_text([{"type": "image_url", "image_url": {"url": "x"}}])
 

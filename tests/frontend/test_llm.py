@@ -45,3 +45,29 @@ def test_generate_chat_and_shutdown(demo_model_dir: Path) -> None:
         llm.shutdown()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+@pytest.mark.slow
+def test_in_process_llm_runs_the_engine_and_the_model_in_this_process(demo_model_dir: Path) -> None:
+    """``in_process=True``: no child process; the engine loop on a thread here, the model runner
+    here, and the greedy tokens transformers gives (float32), through the same client path."""
+    import threading
+
+    from evenflow.worker.runner import ModelRunner
+    from tests.checkpoints import reference_greedy
+
+    llm = LLM(model=str(demo_model_dir), in_process=True, dtype="float32", max_model_len=256, num_kv_blocks=64,
+              max_num_batched_tokens=128, max_num_seqs=8)
+    try:
+        assert llm._proc is None
+        assert any(t.name == "evenflow-engine-core" for t in threading.enumerate())
+        assert isinstance(llm._in_process.engine.executor.runner, ModelRunner)
+        prompts = [llm.tokenizer.encode(f"def f{i}(x):") for i in range(3)]
+        greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        assert [o.token_ids for o in outs] == [reference_greedy(demo_model_dir, p, 6) for p in prompts]
+        engine_thread = next(t for t in threading.enumerate() if t.name == "evenflow-engine-core")
+    finally:
+        llm.shutdown()
+    engine_thread.join(timeout=5)
+    assert not engine_thread.is_alive()

@@ -5,9 +5,8 @@ from __future__ import annotations
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from evenflow.frontend.outputs import (
-    ChoiceAssembler, StopStringMatcher, chat_logprobs_json, completion_logprobs_json, format_logprobs,
-)
+from evenflow.frontend.logprobs import chat_logprobs_json, completion_logprobs_json, format_logprobs
+from evenflow.frontend.outputs import ChoiceAssembler, StopStringMatcher
 from evenflow.frontend.tokenizer import Tokenizer
 from evenflow.protocol import RequestOutput, TokenLogprobs
 
@@ -75,9 +74,48 @@ def test_assembler_passes_engine_finish_through(demo_tokenizer: Tokenizer) -> No
     ids = demo_tokenizer.encode("héllo €", add_special_tokens=False)
     asm = ChoiceAssembler(demo_tokenizer)
     d1 = asm.update(RequestOutput("r", ids[:-1], num_cached_tokens=16))
-    d2 = asm.update(RequestOutput("r", ids[-1:], "stop", 16, None, 7))
+    d2 = asm.update(RequestOutput("r", ids[-1:], "length", 16))
     assert d1.text + d2.text == "héllo €"
-    assert (d2.finish_reason, d2.stop_reason, asm.num_cached_tokens, asm.token_ids) == ("stop", 7, 16, ids)
+    assert (d2.finish_reason, asm.num_cached_tokens, asm.token_ids) == ("length", 16, ids)
+
+
+def test_the_stopping_token_stays_in_token_ids_and_out_of_the_text(demo_tokenizer: Tokenizer) -> None:
+    ids = demo_tokenizer.encode("one two.", add_special_tokens=False)
+    stop = ids[-1]  # a plain (not special) token, as stop_token_ids may name
+    for logprobs in (None, _lps(ids[-2:])):
+        for include in (False, True):
+            asm = ChoiceAssembler(demo_tokenizer, include_stop_str_in_output=include)
+            asm.update(RequestOutput("r", ids[:-2]))
+            d = asm.update(RequestOutput("r", ids[-2:], "stop", 0, logprobs, stop))
+            want = demo_tokenizer.decode(ids if include else ids[:-1])
+            assert asm.text == want and (d.finish_reason, d.stop_reason, asm.token_ids) == ("stop", stop, ids)
+            if logprobs is not None:  # the stop token's entry sits where the text ends
+                assert [e.token_id for e in d.logprobs] == ids[-2:] and d.logprobs[1].text_offset == len(
+                    demo_tokenizer.decode(ids[:-1]))
+    # "length" ends on an ordinary token: it is text like any other.
+    asm = ChoiceAssembler(demo_tokenizer)
+    asm.update(RequestOutput("r", ids, "length"))
+    assert asm.text == "one two."
+
+
+def test_logprob_bytes_are_each_tokens_own_and_keys_never_merge(demo_tokenizer: Tokenizer) -> None:
+    text = "¿cómo 🯸"
+    ids = demo_tokenizer.encode(text, add_special_tokens=False)
+    asm = ChoiceAssembler(demo_tokenizer)
+    # Every token reports the others as its alternatives: several decode to U+FFFD alone.
+    lps = [TokenLogprobs([t, *ids], [-0.5, *[-1.0 - j for j in range(len(ids))]], 1) for t in ids]
+    asm.update(RequestOutput("r", ids, "length", logprobs=lps))
+    chat = chat_logprobs_json(asm.logprobs, top_n=len(ids))["content"]
+    assert b"".join(bytes(c["bytes"]) for c in chat) == text.encode()
+    partial = [c for c in chat if c["token"] == "\ufffd"]
+    assert partial, "the text should hold tokens that are part of a character"
+    legacy = completion_logprobs_json(asm.logprobs)
+    for top, token in zip(legacy["top_logprobs"], legacy["tokens"]):
+        assert len(top) == len(set(ids)) and token in top and "\ufffd" not in "".join(top)
+    as_ids = completion_logprobs_json(asm.logprobs, as_token_ids=True)
+    assert as_ids["tokens"] == [f"token_id:{t}" for t in ids]
+    assert set(as_ids["top_logprobs"][0]) == {f"token_id:{t}" for t in ids}
+    assert chat_logprobs_json(asm.logprobs, 1, as_token_ids=True)["content"][0]["token"] == f"token_id:{ids[0]}"
 
 
 def test_logprobs_formats(demo_tokenizer: Tokenizer) -> None:

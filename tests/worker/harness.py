@@ -1,15 +1,17 @@
-"""Drive a ModelRunner with the real scheduler in-process, plainly or with one step of overlap."""
+"""Drive a ModelRunner through the engine's own step loop, in-process, with or without overlap."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evenflow.core.sched.config import SchedulerConfig
+from evenflow.core.engine_loop import EngineLoop
 from evenflow.core.request import Request
+from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.sched.scheduler import Scheduler
 from evenflow.core.sched.structured_output import StructuredOutputManager
 from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput, WorkerConfig
+from evenflow.worker.in_process import InProcessExecutor
 from evenflow.worker.runner import ModelRunner
 
 
@@ -28,7 +30,7 @@ class Job:
 @dataclass
 class RunResult:
     outputs: dict[str, list[int]]
-    steps: list[SchedulerOutput] = field(default_factory=list)
+    steps: list[SchedulerOutput] = field(default_factory=list)  # every step the loop sent, in order
     num_draft_tokens: int = 0  # drafts the worker verified
     logprobs: dict[str, list] = field(default_factory=dict)  # TokenLogprobs per token, when asked
     num_accepted_drafts: int = 0
@@ -43,6 +45,24 @@ class RunResult:
         """Steps where one request decoded while another prefilled a chunk of > 1 token."""
         return sum(1 for s in self.steps if 1 in s.num_scheduled_tokens.values()
                    and any(n > 1 for n in s.num_scheduled_tokens.values()))
+
+
+class RecordingExecutor(InProcessExecutor):
+    """The in-process executor, keeping every step it was sent and every output it gave back."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        super().__init__(runner=runner)
+        self.steps: list[SchedulerOutput] = []
+        self.runner_outputs: list[ModelRunnerOutput] = []
+
+    def send_step(self, so: SchedulerOutput) -> None:
+        self.steps.append(so)
+        super().send_step(so)
+
+    def recv_output(self, step_id: int) -> ModelRunnerOutput:
+        out = super().recv_output(step_id)
+        self.runner_outputs.append(out)
+        return out
 
 
 def make_runner(model_dir: Path, num_blocks: int = 256, block_size: int = 8, max_model_len: int = 512,
@@ -62,7 +82,8 @@ def run_jobs(runner: ModelRunner, jobs: list[Job], num_blocks: int, budget: int 
              enable_prefix_caching: bool = True, max_steps: int = 2000,
              max_model_len: int | None = None, scheduler_overrides: dict[str, object] | None = None,
              structured_output: StructuredOutputManager | None = None) -> RunResult:
-    """Run ``jobs`` to completion; with ``overlap`` step N+1 is scheduled before N's output applies.
+    """Run ``jobs`` to completion through an ``EngineLoop``; ``overlap``: its async scheduling
+    (step N+1 is scheduled and sent before N's output applies). ``arrive_step`` counts loop steps.
 
     The runner's cache is reallocated to ``num_blocks`` so that it matches the scheduler's pool.
     ``scheduler_overrides`` sets any other SchedulerConfig field (max_num_seqs, policy, ...).
@@ -80,9 +101,10 @@ def run_jobs(runner: ModelRunner, jobs: list[Job], num_blocks: int, budget: int 
                                       speculative_config=runner.config.speculative_config,
                                       **(scheduler_overrides or {})),  # type: ignore[arg-type]
                       structured_output)
+    executor = RecordingExecutor(runner)
+    loop = EngineLoop(sched, executor, async_scheduling=overlap)
     result = RunResult({j.req_id: [] for j in jobs})
     pending = sorted(jobs, key=lambda j: j.arrive_step)
-    in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput | None]] = []
     for step in range(max_steps):
         while pending and pending[0].arrive_step <= step:
             j = pending.pop(0)
@@ -90,31 +112,20 @@ def run_jobs(runner: ModelRunner, jobs: list[Job], num_blocks: int, budget: int 
             sched.add_request(request)
             if request.grammar is not None:
                 request.grammar.compiled.result(timeout=60)
-        if not sched.has_unfinished_requests() and not pending:
+        if not loop.has_work() and not pending:
             break
-        so = sched.schedule()
-        result.steps.append(so)
-        in_flight.append((so, runner.execute_model(so)))
-        # Overlap: keep one step in flight, apply it only after the next one was scheduled.
-        while len(in_flight) > (1 if overlap else 0):
-            _apply(sched, in_flight.pop(0), result)
+        for out in loop.step().outputs or ():
+            result.outputs[out.request_id].extend(out.new_token_ids)
+            if out.logprobs is not None:
+                result.logprobs.setdefault(out.request_id, []).extend(out.logprobs)
     else:
         raise AssertionError(f"jobs did not finish in {max_steps} steps")
-    while in_flight:
-        _apply(sched, in_flight.pop(0), result)
-    runner.execute_model(sched.schedule())  # deliver the last finished ids so the batch empties
+    result.steps, result.runner_outputs = list(executor.steps), list(executor.runner_outputs)
+    loop.send_finished()  # so that the runner's batch empties before its next run
+    for so, mro in zip(result.steps, result.runner_outputs):
+        assert mro.step_id == so.step_id
+        if mro.num_draft_tokens is not None:
+            verified = [(d, len(t)) for d, t in zip(mro.num_draft_tokens, mro.sampled_token_ids) if d]
+            result.num_draft_tokens += sum(d for d, _ in verified)
+            result.num_accepted_drafts += sum(n - 1 for _, n in verified)
     return result
-
-
-def _apply(sched: Scheduler, done: tuple[SchedulerOutput, ModelRunnerOutput | None], result: RunResult) -> None:
-    so, mro = done
-    assert mro is not None and mro.step_id == so.step_id
-    if mro.num_draft_tokens is not None:
-        verified = [(d, len(t)) for d, t in zip(mro.num_draft_tokens, mro.sampled_token_ids) if d]
-        result.num_draft_tokens += sum(d for d, _ in verified)
-        result.num_accepted_drafts += sum(n - 1 for _, n in verified)
-    result.runner_outputs.append(mro)
-    for out in sched.update_from_output(so, mro):
-        result.outputs[out.request_id].extend(out.new_token_ids)
-        if out.logprobs is not None:
-            result.logprobs.setdefault(out.request_id, []).extend(out.logprobs)

@@ -142,7 +142,7 @@ def assert_samples_only_at_chunk_ends(result: RunResult) -> None:
             computed[cached.req_id] = min(cached.num_computed_tokens, known[cached.req_id] - 1)
         for req_id, sampled in zip(mro.req_ids, mro.sampled_token_ids):
             # Draft slots come after the known tokens; a step verifying d drafts emits 1..d+1.
-            num_slots = len(so.scheduled_spec_decode_tokens.get(req_id, ()))
+            num_slots = so.num_draft_slots.get(req_id, 0)
             end = computed[req_id] + so.num_scheduled_tokens[req_id] - num_slots
             # Steps are replayed in order, so an in-flight sample (overlap) is already counted.
             assert end <= known[req_id], (so.step_id, req_id, end, known[req_id])

@@ -25,9 +25,9 @@ def new(req_id: str, prompt: list[int], blocks: list[int], computed: int = 0) ->
 
 def step(step_id: int, sched: dict[str, int], new_reqs: list[NewRequestData] | None = None,
          cached: list[CachedRequestData] | None = None, finished: list[str] | None = None,
-         preempted: list[str] | None = None, spec: dict[str, list[int]] | None = None) -> SchedulerOutput:
+         preempted: list[str] | None = None, spec: dict[str, int] | None = None) -> SchedulerOutput:
     return SchedulerOutput(step_id, new_reqs or [], cached or [], sched, sum(sched.values()),
-                           scheduled_spec_decode_tokens=spec or {}, finished_req_ids=finished or [],
+                           num_draft_slots=spec or {}, finished_req_ids=finished or [],
                            preempted_req_ids=preempted or [])
 
 
@@ -159,7 +159,7 @@ def test_a_resumed_request_verifies_no_drafts_from_before_its_preemption() -> No
     state.num_drafts = 2
     batch.update(step(1, {}, preempted=["a"]))
     # Resumed in one chunk that samples, with two blind draft slots: the old drafts are gone.
-    so = step(2, {"a": 9}, cached=[CachedRequestData("a", [3, 4], 0, True)], spec={"a": [-1, -1]})
+    so = step(2, {"a": 9}, cached=[CachedRequestData("a", [3, 4], 0, True)], spec={"a": 2})
     batch.update(so)
     inputs = batch.prepare_inputs(so)
     assert inputs.num_drafts.tolist() == [0]

@@ -38,8 +38,7 @@ def verified_drafts(result: RunResult, req_id: str, after_step: int = -1) -> int
 
 def draft_slots(result: RunResult, req_id: str) -> list[int]:
     """Draft slots the scheduler reserved for ``req_id``, per step that scheduled any."""
-    return [len(s.scheduled_spec_decode_tokens[req_id]) for s in result.steps
-            if req_id in s.scheduled_spec_decode_tokens]
+    return [s.num_draft_slots[req_id] for s in result.steps if req_id in s.num_draft_slots]
 
 
 # ------------------------------------------------------------------ prompt length vs budget
@@ -59,7 +58,7 @@ def test_spec_prompt_of_k_budgets_plus_delta(runners: Runners, references: Refer
     full, rest = divmod(length, budget)
     prefill = [budget] * full + [rest] * (rest > 0)
     assert chunks_of(result, "p")[: len(prefill)] == prefill
-    assert not any("p" in s.scheduled_spec_decode_tokens for s in result.steps[: len(prefill)])
+    assert not any("p" in s.num_draft_slots for s in result.steps[: len(prefill)])
     assert 0 < result.num_accepted_drafts < result.num_draft_tokens  # some accepted, some rejected
 
 
@@ -120,6 +119,6 @@ def test_spec_preempted_request_resumes_at_a_block_boundary(
     assert resume.num_computed_tokens == hit == (known - 1) // block_size * block_size
     # The resumed chunk computes exactly what the cache lacks, and drafts nothing.
     assert step.num_scheduled_tokens["b"] == known - hit
-    assert "b" not in step.scheduled_spec_decode_tokens
+    assert "b" not in step.num_draft_slots
     assert verified_drafts(result, "b", after_step=step.step_id) > 0
     assert result.num_accepted_drafts > 0

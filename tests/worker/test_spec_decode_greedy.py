@@ -33,7 +33,7 @@ def expect(model_dir: Path, jobs: list[Job]) -> dict[str, list[int]]:
 
 
 def num_slots(result: RunResult) -> int:
-    return sum(len(v) for s in result.steps for v in s.scheduled_spec_decode_tokens.values())
+    return sum(n for s in result.steps for n in s.num_draft_slots.values())
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -77,7 +77,7 @@ def test_disable_by_batch_size_stops_drafting_under_load(tiny_llama: Path) -> No
     runner = make_runner(tiny_llama, num_blocks=256, block_size=8, speculative_config=spec)
     pair = [Job(f"load-{i}", copy_prompt(2, 12), 30) for i in range(2)]
     busy = run_jobs(runner, pair, num_blocks=256, overlap=True)
-    assert busy.num_draft_tokens == 0 and not any(s.scheduled_spec_decode_tokens for s in busy.steps)
+    assert busy.num_draft_tokens == 0 and not any(s.num_draft_slots for s in busy.steps)
     alone = run_jobs(runner, [Job("alone", copy_prompt(2, 12), 30)], num_blocks=256, overlap=True)
     assert alone.num_accepted_drafts > 0
     assert busy.outputs["load-0"] == busy.outputs["load-1"] == alone.outputs["alone"]

@@ -101,3 +101,52 @@ def test_setter_touches_torch_only_on_change(monkeypatch: pytest.MonkeyPatch) ->
     assert fake.calls == []
     ThreadSetter(None, TINY * 4).before_step(1e12, 4096)
     assert fake.calls == []
+
+
+class FakeRunQueue:
+    """Run-queue wait the setter reads: ``per_second`` thread-seconds per second of each step."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.per_second = 0.0
+
+    def read(self) -> float:
+        return self.total
+
+    def advance(self, seconds: float) -> None:
+        self.total += self.per_second * seconds
+
+
+def test_threads_waiting_for_a_cpu_mean_a_core_is_taken(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    # The machine was busy from the start: long steps never cost more than the first ones did, so
+    # only the run-queue wait shows that a core is taken.
+    FakeTorch(monkeypatch)
+    queue = FakeRunQueue()
+    setter = ThreadSetter(StepThreads(1, 2), TINY * 4, queue.read)
+
+    def steps(n: int, wait: float) -> list[int]:
+        used = []
+        queue.per_second = wait
+        for _ in range(n):
+            setter.before_step(1e10, 264)
+            used.append(setter.current)
+            queue.advance(0.05)
+            setter.after_step(0.05)
+        return used
+
+    contended = steps(200, 0.5)
+    assert contended[:2] == [2, 2] and contended.count(2) <= 6 and contended[-50:] == [1] * 50
+    assert "waited for a CPU 0.50 s per second" in caplog.text
+    assert steps(400, 0.0)[-300:] == [2] * 300  # the core is free again: every core from the next re-try on
+    assert steps(30, 0.1) == [2] * 30  # a little waiting (the engine-core waking) is not contention
+
+
+def test_the_run_queue_wait_of_this_process_is_readable() -> None:
+    from evenflow.worker.threads import process_run_queue_wait
+
+    first = process_run_queue_wait()
+    if first is None:
+        pytest.skip("no /proc/self/task/*/schedstat here")
+    second = process_run_queue_wait()
+    assert second is not None and second >= first >= 0.0

@@ -32,7 +32,7 @@ def num_draft_slots(
     if end != request.num_tokens + placeholders:
         return 0  # a prefill chunk that does not sample
     # With a step in flight its drafts are unknown: reserve K, the worker fills what it has.
-    wanted = spec.num_speculative_tokens if placeholders else len(request.spec_token_ids)
+    wanted = spec.num_speculative_tokens if placeholders else request.num_proposed_drafts
     # Cap so that the tokens this step may emit (1 + k) stay within max_model_len and max_tokens.
     room = min(max_model_len - end, request.sampling_params.max_tokens - request.num_output_tokens - placeholders) - 1
     return max(0, min(wanted, room, budget_left))

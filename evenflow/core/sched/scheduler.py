@@ -205,7 +205,7 @@ class Scheduler:
         more_blocks = self.kv_cache_manager.allocate_slots(request, num_new + num_slots)
         if more_blocks is None:
             return 0, []
-        step.spec_decode_tokens[request.request_id] = [-1] * num_slots  # the worker fills them (spec_decode.py)
+        step.num_draft_slots[request.request_id] = num_slots  # the worker fills them (spec_decode.py)
         return num_slots, more_blocks
 
     def _schedule_waiting(self, step: StepPlan) -> None:
@@ -293,7 +293,7 @@ class Scheduler:
             scheduled_cached_reqs=step.cached_reqs,
             num_scheduled_tokens=step.num_scheduled_tokens,
             total_num_scheduled_tokens=total,
-            scheduled_spec_decode_tokens=step.spec_decode_tokens,
+            num_draft_slots=step.num_draft_slots,
             finished_req_ids=finished_req_ids,
             preempted_req_ids=step.preempted_req_ids,
         )
@@ -335,7 +335,9 @@ class Scheduler:
     def _grammar_ready(self, request: Request) -> bool:
         """Whether a WAITING_FOR_FSM request's grammar compiled (it becomes WAITING); a failed
         compile finishes it (its client hears why: ``take_grammar_failures``)."""
-        problem = self.structured_output.resolve(request)  # type: ignore[union-attr]
+        grammars = self.structured_output
+        assert grammars is not None  # add_request admits grammars only with a manager
+        problem = grammars.resolve(request)
         if problem:
             self._finish(request, RequestStatus.FINISHED_ERROR)
             self._grammar_failures.append(Error(ERR_INVALID_REQUEST, problem, request.request_id))
@@ -369,7 +371,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids.clear()
+        request.num_proposed_drafts = 0
         self.waiting.add_front(request)
         self._num_preemptions += 1
 
@@ -383,9 +385,9 @@ class Scheduler:
         """
         start = time.perf_counter()
         step_id = scheduler_output.step_id
-        drafts_by_req = scheduler_output.scheduled_spec_decode_tokens
+        slots_by_req = scheduler_output.num_draft_slots
         logprobs = model_runner_output.logprobs
-        proposals = model_runner_output.spec_token_ids
+        proposals = model_runner_output.num_proposed_drafts
         num_verified = model_runner_output.num_draft_tokens
         requests = self.requests
         outputs: list[RequestOutput] = []
@@ -396,7 +398,7 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None or not 0 <= request.first_scheduled_step <= step_id:
                 continue  # finished since, or the id now names a newer request
-            num_slots = len(drafts_by_req.get(req_id, ())) if drafts_by_req else 0
+            num_slots = slots_by_req.get(req_id, 0) if slots_by_req else 0
             request.num_output_placeholders -= 1 + num_slots
             if num_slots and request.status == RequestStatus.RUNNING:
                 # Step back over rejected drafts and unfilled slots; their KV is overwritten later.
@@ -411,17 +413,17 @@ class Scheduler:
                 finished_status = request.check_stop(token_id, self.config.max_model_len)
                 if finished_status is not None:
                     break
-            if request.grammar is not None:
-                self.structured_output.accept(request, sampled[:num_accepted])  # type: ignore[union-attr]
+            if request.grammar is not None and self.structured_output is not None:
+                self.structured_output.accept(request, sampled[:num_accepted])
             self._num_generation_tokens += num_accepted
             if finished_status is not None:
                 any_running_finished |= request.status == RequestStatus.RUNNING
                 self._finish(request, finished_status)
             elif proposals is not None and request.num_output_placeholders == 0 and not request.use_structured_output:
                 # Drafts extend the last known token; with a step still in flight they would not.
-                request.spec_token_ids = list(proposals[i])
-            elif request.spec_token_ids:
-                request.spec_token_ids = []
+                request.num_proposed_drafts = proposals[i]
+            else:
+                request.num_proposed_drafts = 0
             token_logprobs = logprobs[i] if logprobs is not None else None
             outputs.append(
                 RequestOutput(

@@ -16,7 +16,7 @@ class StepPlan:
     """
 
     __slots__ = ("step_id", "token_budget", "gate", "num_running_at_start", "num_scheduled_tokens",
-                 "spec_decode_tokens", "new_reqs", "cached_reqs", "preempted_req_ids", "structured")
+                 "num_draft_slots", "new_reqs", "cached_reqs", "preempted_req_ids", "structured")
 
     def __init__(self, step_id: int, token_budget: int, gate: PrefillGate, num_running_at_start: int) -> None:
         self.step_id = step_id
@@ -24,7 +24,7 @@ class StepPlan:
         self.gate = gate  # this step's limits on prefill chunks
         self.num_running_at_start = num_running_at_start  # before any preemption: what draft slots look at
         self.num_scheduled_tokens: dict[str, int] = {}  # drafts included
-        self.spec_decode_tokens: dict[str, list[int]] = {}  # draft slots (-1), per request
+        self.num_draft_slots: dict[str, int] = {}  # per request that has any
         self.new_reqs: list[NewRequestData] = []
         self.cached_reqs: list[CachedRequestData] = []
         self.preempted_req_ids: list[str] = []

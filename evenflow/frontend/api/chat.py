@@ -8,10 +8,10 @@ from typing import AsyncIterator
 from starlette.responses import Response
 from starlette.types import Receive
 
-from evenflow.frontend.outputs import chat_logprobs_json
+from evenflow.frontend.logprobs import chat_logprobs_json
 from evenflow.frontend.api.completions import usage_of
 from evenflow.frontend.api.context import ServingContext, admit, decode_body, engine_error_to_api, new_id
-from evenflow.frontend.api.errors import APIError
+from evenflow.frontend.api.errors import APIError, bad_request
 from evenflow.frontend.generation import Generation
 from evenflow.frontend.api.openai import (
     ChatChoice,
@@ -25,8 +25,9 @@ from evenflow.frontend.api.openai import (
 )
 from evenflow.frontend.api.structured import structured_outputs_async
 from evenflow.frontend.api.prepare import (
-    OFF_LOOP_CHARS, chat_logprobs, chat_prompt_async, check_unsupported, off_loop_if_large, plan_choices,
+    OFF_LOOP_CHARS, chat_logprobs, chat_prompt_async, off_loop_if_large, plan_choices, truncate_prompt,
 )
+from evenflow.frontend.api.unsupported import check_unsupported
 from evenflow.frontend.api.sse import DONE, SSEResponse, run_until_disconnect, sse_event
 
 
@@ -34,9 +35,12 @@ async def create_chat_completion(ctx: ServingContext, body: bytes, receive: Rece
                                 timeout_s: float = 0.0) -> Response | SSEResponse:
     req: ChatCompletionRequest = await off_loop_if_large(len(body), decode_body, body, ChatCompletionRequest)
     ctx.check_model(req.model)
+    if req.echo:
+        raise bad_request("echo is not supported by evenflow for chat completions", "echo")
     check_unsupported(req)
     structured = await structured_outputs_async(req)
-    prompt_ids = await chat_prompt_async(req, ctx.tokenizer, req.messages)
+    prompt_ids = truncate_prompt(await chat_prompt_async(req, ctx.tokenizer, req.messages, req.add_special_tokens),
+                                 req.truncate_prompt_tokens, ctx.max_model_len)
     logprobs = chat_logprobs(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     request_id = new_id("chatcmpl")
@@ -62,7 +66,7 @@ async def create_chat_completion(ctx: ServingContext, body: bytes, receive: Rece
         asm = job.assembler
         choice = ChatChoice(
             job.index, ChatMessageOut("assistant", asm.text),
-            chat_logprobs_json(asm.logprobs, top_n) if logprobs is not None else None,
+            chat_logprobs_json(asm.logprobs, top_n, req.return_tokens_as_token_ids) if logprobs is not None else None,
             asm.finish_reason, asm.stop_reason,
         )
         if req.return_token_ids:
@@ -91,7 +95,7 @@ async def _stream(
         async for job, delta in gen.stream():
             if delta.is_empty:
                 continue
-            logprobs = chat_logprobs_json(delta.logprobs, top_n) if want_logprobs and delta.logprobs is not None else None
+            logprobs = chat_logprobs_json(delta.logprobs, top_n, req.return_tokens_as_token_ids) if want_logprobs and delta.logprobs is not None else None
             content = ChatDelta(content=delta.text) if delta.text or delta.finish_reason is None else ChatDelta()
             choice = ChatChunkChoice(job.index, content, logprobs, delta.finish_reason, delta.stop_reason)
             if req.return_token_ids:

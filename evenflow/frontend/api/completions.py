@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from starlette.responses import Response
 from starlette.types import Receive
 
-from evenflow.frontend.outputs import completion_logprobs_json
+from evenflow.frontend.logprobs import completion_logprobs_json
 from evenflow.frontend.api.context import ServingContext, admit, decode_body, engine_error_to_api, new_id
 from evenflow.frontend.api.errors import APIError
 from evenflow.frontend.generation import Generation
@@ -16,9 +16,10 @@ from evenflow.frontend.api.openai import CompletionChoice, CompletionRequest, Co
 from evenflow.frontend.api.structured import structured_outputs_async
 from evenflow.frontend.api.limits import check_num_choices
 from evenflow.frontend.api.prepare import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS, OFF_LOOP_CHARS, check_unsupported, completion_prompts_async, off_loop_if_large,
-    plan_choices,
+    COMPLETIONS_DEFAULT_MAX_TOKENS, OFF_LOOP_CHARS, completion_prompts_async, off_loop_if_large, plan_choices,
+    truncate_prompt,
 )
+from evenflow.frontend.api.unsupported import check_unsupported
 from evenflow.frontend.api.sse import DONE, SSEResponse, run_until_disconnect, sse_event
 
 
@@ -34,7 +35,8 @@ async def create_completion(ctx: ServingContext, body: bytes, receive: Receive,
     ctx.check_model(req.model)
     check_unsupported(req)
     structured = await structured_outputs_async(req)
-    prompts = await completion_prompts_async(req.prompt, ctx.tokenizer)
+    prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, ctx.max_model_len)
+               for ids in await completion_prompts_async(req.prompt, ctx.tokenizer, req.add_special_tokens)]
     check_num_choices(len(prompts), req.n)
     request_id = new_id("cmpl")
 
@@ -61,7 +63,7 @@ async def create_completion(ctx: ServingContext, body: bytes, receive: Receive,
         prefix = echo[job.prompt_index] if echo else ""
         choice = CompletionChoice(
             job.index, prefix + asm.text,
-            completion_logprobs_json(asm.logprobs, len(prefix)) if job.params.logprobs is not None else None,
+            completion_logprobs_json(asm.logprobs, len(prefix), req.return_tokens_as_token_ids) if job.params.logprobs is not None else None,
             asm.finish_reason, asm.stop_reason,
         )
         if req.return_token_ids:
@@ -73,6 +75,8 @@ async def create_completion(ctx: ServingContext, body: bytes, receive: Receive,
 
 
 def _prompt_text(ctx: ServingContext, req: CompletionRequest, index: int, ids: list[int]) -> str:
+    if req.truncate_prompt_tokens is not None:  # the echo is the prompt the model saw
+        return ctx.tokenizer.decode(ids)
     if isinstance(req.prompt, str):
         return req.prompt
     if req.prompt and isinstance(req.prompt[0], str):
@@ -98,7 +102,7 @@ async def _stream(
                 continue
             logprobs = None
             if job.params.logprobs is not None and delta.logprobs is not None:
-                logprobs = completion_logprobs_json(delta.logprobs, prefix_len)
+                logprobs = completion_logprobs_json(delta.logprobs, prefix_len, req.return_tokens_as_token_ids)
             choice = CompletionChoice(job.index, text, logprobs, delta.finish_reason, delta.stop_reason)
             if req.return_token_ids:
                 choice.token_ids = delta.token_ids

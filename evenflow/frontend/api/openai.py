@@ -16,9 +16,39 @@ from msgspec import UNSET, Struct, UnsetType
 
 class StreamOptions(Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # refused when true (api/unsupported.py)
 
 
-class _SamplingFields(Struct, kw_only=True):
+class RefusedFields(Struct, kw_only=True):
+    """OpenAI and vLLM fields evenflow does not implement, declared so that a request setting one
+    gets a 400 naming it (``api/unsupported.py`` holds each one's no-op value)."""
+
+    logit_bias: dict[str, Any] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    modalities: list[str] | None = None
+    store: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    spaces_between_special_tokens: Any = None
+    logits_processors: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    prompt_embeds: Any = None
+
+
+class _SamplingFields(RefusedFields, kw_only=True):
     """Sampling fields shared by /v1/completions and /v1/chat/completions (vLLM's extensions too)."""
 
     model: str | None = None
@@ -42,6 +72,10 @@ class _SamplingFields(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     priority: int = 0
     return_token_ids: bool = False
+    # Logprobs keyed "token_id:N" instead of the token's text (vLLM's extension).
+    return_tokens_as_token_ids: bool = False
+    # Keep only the prompt's last N tokens (-1: the last max_model_len), as vLLM.
+    truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
@@ -52,9 +86,6 @@ class _SamplingFields(Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # OpenAI fields evenflow does not implement: declared so that a non-default value is a 400
-    # (``prepare.check_unsupported``) instead of being ignored.
-    logit_bias: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -63,6 +94,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[Any]
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM: the tokenizer's BOS leads a text prompt
     suffix: str | None = None  # unsupported (400 when non-empty)
     best_of: int | None = None  # unsupported (400 when > n)
 
@@ -79,12 +111,17 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    # Render the last message open, for the model to go on with it (needs add_generation_prompt: false).
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM: the chat template places BOS itself
+    echo: bool = False  # vLLM's chat echo: unsupported (400 when true)
     chat_template_kwargs: dict[str, Any] | None = None
     # Tool and function calling are unsupported (400 unless absent, empty or "none").
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # a no-op without tools
 
 
 class TokenizeRequest(Struct, kw_only=True):
@@ -93,6 +130,7 @@ class TokenizeRequest(Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(Struct, kw_only=True):

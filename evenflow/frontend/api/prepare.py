@@ -41,16 +41,17 @@ async def off_loop_if_large(size: int, fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
-def completion_prompts(prompt: str | list[Any], tokenizer: Tokenizer) -> list[list[int]]:
-    """Token ids of each prompt: a string, strings, a token-id list, or token-id lists."""
+def completion_prompts(prompt: str | list[Any], tokenizer: Tokenizer, add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids of each prompt: a string, strings, a token-id list, or token-id lists (text gets
+    the tokenizer's BOS when ``add_special_tokens``; token ids are taken as they are)."""
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
+        return [tokenizer.encode(prompt, add_special_tokens=add_special_tokens)]
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
     if not isinstance(prompt[0], int):  # several prompts (a token-id list is one)
         check_num_prompts(len(prompt))
     if all(isinstance(p, str) for p in prompt):
-        return tokenizer.encode_batch(list(prompt))
+        return tokenizer.encode_batch(list(prompt), add_special_tokens=add_special_tokens)
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         return [_checked_ids(prompt, tokenizer.vocab_size)]
     if all(isinstance(p, list) for p in prompt):
@@ -60,11 +61,12 @@ def completion_prompts(prompt: str | list[Any], tokenizer: Tokenizer) -> list[li
     raise bad_request(PROMPT_FORMS, "prompt")
 
 
-async def completion_prompts_async(prompt: str | list[Any], tokenizer: Tokenizer) -> list[list[int]]:
+async def completion_prompts_async(prompt: str | list[Any], tokenizer: Tokenizer,
+                                   add_special_tokens: bool = True) -> list[list[int]]:
     """``completion_prompts``, off the event loop for a large prompt."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         check_num_prompts(len(prompt))  # before sizing them, on the loop
-    return await off_loop_if_large(_prompt_size(prompt), completion_prompts, prompt, tokenizer)
+    return await off_loop_if_large(_prompt_size(prompt), completion_prompts, prompt, tokenizer, add_special_tokens)
 
 
 def _prompt_size(prompt: str | list[Any]) -> int:
@@ -92,8 +94,10 @@ def _raise_if(problem: Problem | None) -> None:
         raise bad_request(problem.message, problem.field)
 
 
-def chat_prompt(req: ChatCompletionRequest | Any, tokenizer: Tokenizer, messages: list[ChatMessage]) -> list[int]:
-    """Render ``messages`` with the chat template and tokenize (the template places BOS itself)."""
+def chat_prompt(req: ChatCompletionRequest | Any, tokenizer: Tokenizer, messages: list[ChatMessage],
+                add_special_tokens: bool = False) -> list[int]:
+    """Render ``messages`` with the chat template and tokenize (the template places BOS itself,
+    unless ``add_special_tokens`` asks the tokenizer for it too, as vLLM's field does)."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     try:
@@ -105,21 +109,22 @@ def chat_prompt(req: ChatCompletionRequest | Any, tokenizer: Tokenizer, messages
             bos_token=tokenizer.bos_token,
             eos_token=tokenizer.eos_token,
             extra_context=getattr(req, "chat_template_kwargs", None),
+            continue_final_message=getattr(req, "continue_final_message", False),
         )
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 async def chat_prompt_async(req: ChatCompletionRequest | Any, tokenizer: Tokenizer,
-                            messages: list[ChatMessage]) -> list[int]:
+                            messages: list[ChatMessage], add_special_tokens: bool = False) -> list[int]:
     """``chat_prompt``, off the event loop when the messages are large or many (the template's cost
     grows with the count of messages, even empty ones)."""
     check_num_messages(len(messages))
     if len(messages) > OFF_LOOP_MESSAGES:
-        return await asyncio.to_thread(chat_prompt, req, tokenizer, messages)
+        return await asyncio.to_thread(chat_prompt, req, tokenizer, messages, add_special_tokens)
     size = sum(_content_size(m.content) for m in messages)
-    return await off_loop_if_large(size, chat_prompt, req, tokenizer, messages)
+    return await off_loop_if_large(size, chat_prompt, req, tokenizer, messages, add_special_tokens)
 
 
 def _content_size(content: Any) -> int:
@@ -130,29 +135,18 @@ def _content_size(content: Any) -> int:
     return 0
 
 
-def check_unsupported(req: Any) -> None:
-    """A 400 naming the field for OpenAI options evenflow does not implement, when the request
-    sets them to anything but their no-op value (silently ignoring them would change results)."""
-    def refuse(field: str) -> None:
-        raise bad_request(f"{field} is not supported by evenflow", field)
-
-    if getattr(req, "logit_bias", None):
-        refuse("logit_bias")
-    if getattr(req, "tools", None):
-        refuse("tools")
-    if getattr(req, "tool_choice", None) not in (None, "none"):
-        refuse("tool_choice")
-    if getattr(req, "functions", None):
-        refuse("functions")
-    if getattr(req, "function_call", None) not in (None, "none"):
-        refuse("function_call")
-    if getattr(req, "suffix", None):
-        refuse("suffix")
-    best_of = getattr(req, "best_of", None)
-    if best_of is not None and best_of > getattr(req, "n", 1):
-        refuse("best_of")
-    if getattr(req, "echo", False) and getattr(req, "logprobs", None) is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which evenflow does not compute yet", "echo")
+def truncate_prompt(prompt_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last ``truncate_prompt_tokens`` tokens (-1: the last ``max_model_len``), as vLLM
+    truncates on the left; None keeps it whole."""
+    keep = truncate_prompt_tokens
+    if keep is None:
+        return prompt_ids
+    if keep == -1:
+        keep = max_model_len
+    if not 1 <= keep <= max_model_len:
+        raise bad_request(f"truncate_prompt_tokens must be -1 or in [1, max_model_len={max_model_len}], "
+                          f"got {truncate_prompt_tokens}", "truncate_prompt_tokens")
+    return prompt_ids[-keep:]
 
 
 def plan_choices(

@@ -16,13 +16,13 @@ import logging
 from typing import AsyncIterator
 
 from evenflow.protocol import (
-    ERR_DUPLICATE_ID, ERR_NOT_READY, Outputs, Ready, RequestOutput, SamplingParams, SchedulerStats, UtilityResult,
+    ERR_DUPLICATE_ID, Outputs, Ready, RequestOutput, SamplingParams, SchedulerStats, UtilityResult,
 )
 from evenflow.protocol.block_hash import extend_block_hashes
 
 from evenflow.frontend.clients.backpressure import DEFAULT_STUCK_READER_TIMEOUT_S
 from evenflow.frontend.clients.engine_client import EngineClient
-from evenflow.frontend.clients.errors import ERR_ENGINE_DEAD, EngineError
+from evenflow.frontend.clients.errors import ERR_ENGINE_DEAD, ERR_NOT_CONNECTED, EngineError
 from evenflow.frontend.clients.router import Decision, Router, RoutingConfig
 
 log = logging.getLogger("evenflow.frontend.clients.data_parallel")
@@ -98,13 +98,13 @@ class DataParallelClient:
         failed = [(a, r) for a, r in zip(self.addresses, results) if isinstance(r, BaseException)]
         if failed:
             await self.close()
-            raise EngineError(ERR_NOT_READY, "; ".join(f"{a}: {r}" for a, r in failed))
+            raise EngineError(ERR_NOT_CONNECTED, "; ".join(f"{a}: {r}" for a, r in failed))
         readies: list[Ready] = results  # type: ignore[assignment]
         for name in _SAME_MODEL:
             values = [getattr(r, name) for r in readies]
             if any(v != values[0] for v in values):
                 await self.close()
-                raise EngineError(ERR_NOT_READY, f"the engine-cores disagree on {name}: "
+                raise EngineError(ERR_NOT_CONNECTED, f"the engine-cores disagree on {name}: "
                                   + ", ".join(f"{a}: {v!r}" for a, v in zip(self.addresses, values)))
         self.router = Router.for_engines(self.routing, [r.num_kv_blocks for r in readies])
         self._engine_ids = [r.engine_id for r in readies]

@@ -27,8 +27,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from evenflow.protocol import (
-    ERR_DUPLICATE_ID, ERR_INVALID_REQUEST, ERR_NOT_READY, ERR_REQUEST_TIMEOUT, ERR_UNKNOWN_METHOD, PROTOCOL_VERSION, Abort,
-    AddRequest, Hold,
+    ERR_CLIENT_DROPPED, ERR_DUPLICATE_ID, ERR_INVALID_REQUEST, ERR_NOT_READY, ERR_REQUEST_TIMEOUT, ERR_UNKNOWN_METHOD,
+    PROTOCOL_VERSION, Abort, AddRequest, Hold,
     MAX_FRAME_BYTES, Codec, DecodeError, EngineToFrontend, Error, Heartbeat, Hello, Outputs, Ready, RequestOutput, SamplingParams,
     SchedulerStats, UtilityCall, UtilityResult,
 )
@@ -39,7 +39,9 @@ from evenflow.protocol.liveness import DEFAULT_SILENCE_TIMEOUT_S, RunningClock
 from evenflow.frontend.clients.backpressure import (
     DEFAULT_STUCK_READER_TIMEOUT_S, ReaderState, is_stuck, should_hold, should_release,
 )
-from evenflow.frontend.clients.errors import ERR_CLOSED, ERR_CONNECT_TIMEOUT, ERR_ENGINE_DEAD, EngineError
+from evenflow.frontend.clients.errors import (
+    ERR_CLOSED, ERR_CONNECT_TIMEOUT, ERR_ENGINE_DEAD, ERR_NOT_CONNECTED, EngineError,
+)
 
 # (BlockingEngineClient is importable from here too: see __getattr__ below.)
 __all__ = ["EngineClient", "EngineError", "ERR_CLOSED", "ERR_CONNECT_TIMEOUT", "ERR_ENGINE_DEAD"]
@@ -167,7 +169,7 @@ class EngineClient:
         if self._fatal is not None:
             raise self._fatal
         if self._sock is None or self.ready is None:
-            raise EngineError(ERR_NOT_READY, "call connect() first")
+            raise EngineError(ERR_NOT_CONNECTED, "call connect() first")
         if request_id in self._streams:
             raise EngineError(ERR_DUPLICATE_ID, f"request id {request_id!r} is already live", request_id)
         frame = self._codec.encode(AddRequest(request_id, list(prompt_token_ids), sampling_params, priority,
@@ -286,7 +288,7 @@ class EngineClient:
             if self.ready is not None:  # that engine is going away: a Ready from it is not a recovery
                 self._dead_engine_id = self.ready.engine_id
             self._fail_all(EngineError(err.code, err.message))
-        elif err.code == ERR_NOT_READY and self._fatal is None:
+        elif err.code in (ERR_CLIENT_DROPPED, ERR_NOT_READY) and self._fatal is None:
             # The engine dropped us (our loop stalled past its client timeout) or restarted: what
             # already streamed was aborted there and fails; say Hello again, then resubmit the rest.
             # (While failed, these answer stale frames queued before our Hello: the Hello is out.)

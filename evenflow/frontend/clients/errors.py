@@ -5,6 +5,7 @@ from __future__ import annotations
 ERR_ENGINE_DEAD = "engine_dead"  # its connection closed, or no frame from it for --engine-timeout
 ERR_CONNECT_TIMEOUT = "connect_timeout"
 ERR_CLOSED = "client_closed"
+ERR_NOT_CONNECTED = "not_connected"  # used before connect() succeeded (or when it failed)
 
 
 class EngineError(Exception):

@@ -1,0 +1,30 @@
+"""The scheduler's and the workers' config structs, each built from the EngineConfig in one place."""
+
+from __future__ import annotations
+
+from evenflow.protocol import WorkerConfig
+
+from evenflow.core.engine_config import EngineConfig
+from evenflow.core.sched.config import SchedulerConfig
+
+
+def scheduler_config(cfg: EngineConfig, num_kv_blocks: int, block_size: int, max_model_len: int) -> SchedulerConfig:
+    """The scheduler's knobs; the KV pool and block size are what the workers reported."""
+    return SchedulerConfig(
+        num_kv_blocks=num_kv_blocks, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len, block_size=block_size,
+        long_prefill_token_threshold=cfg.long_prefill_token_threshold, policy=cfg.scheduling_policy,
+        enable_prefix_caching=cfg.enable_prefix_caching, target_itl_ms=cfg.target_itl_ms,
+        max_num_partial_prefills=cfg.max_num_partial_prefills,
+        max_long_partial_prefills=cfg.max_long_partial_prefills, speculative_config=cfg.speculative_config)
+
+
+def worker_template(cfg: EngineConfig, model_path: str, max_model_len: int) -> WorkerConfig:
+    """Every rank's WorkerConfig but its rank and addresses (the same on every host)."""
+    return WorkerConfig(
+        model=model_path, world_size=cfg.tensor_parallel_size, dtype=cfg.dtype, device=cfg.device,
+        seed=cfg.seed, block_size=cfg.block_size, max_model_len=max_model_len,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+        attention_backend=cfg.attention_backend, kv_cache_memory=cfg.kv_cache_memory,
+        num_kv_blocks=cfg.num_kv_blocks, load_format=cfg.load_format, num_threads=cfg.worker_threads,
+        speculative_config=cfg.speculative_config)

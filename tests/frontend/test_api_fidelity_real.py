@@ -1,0 +1,185 @@
+"""API fidelity on the real model (SmolLM2-135M-Instruct, float32 HF folder), where issue 25 saw
+each defect: one engine-core + one frontend for the module, greedy requests, transformers'
+tokenizer and chat template as the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from .live import free_port, start, stop, wait_for
+
+pytestmark = pytest.mark.slow
+
+REAL_MODEL = Path(os.environ.get("EVENFLOW_SMOLLM2_DIR", "/work/models/smollm2-f32"))
+if not (REAL_MODEL / "config.json").is_file():
+    pytest.skip(f"the real model folder {REAL_MODEL} is not here", allow_module_level=True)
+
+SPANISH = "¿cómo estás? 🯸🯸"  # byte-level tokens that are each part of a character
+
+
+class Real:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def post(self, path: str, **body: Any) -> httpx.Response:
+        body.setdefault("temperature", 0.0)
+        return httpx.post(self.url + path, json=body, timeout=120)
+
+    def ok(self, path: str, **body: Any) -> dict:
+        r = self.post(path, **body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Real]:
+    tmp = tmp_path_factory.mktemp("real")
+    engine_addr = f"ipc://{tmp}/engine.sock"
+    port = free_port()
+    logs = [tmp / "engine.log", tmp / "frontend.log"]
+    procs = [start(["-m", "evenflow.core.cli", "--model", str(REAL_MODEL), "--listen", engine_addr,
+                    "--served-model-name", "smol", "--max-model-len", "1024", "--num-kv-blocks", "128",
+                    "--max-num-batched-tokens", "256"], logs[0])]
+    procs.append(start(["-m", "evenflow.frontend.cli", "--engine", engine_addr, "--port", str(port)], logs[1]))
+    try:
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200, 300, procs, logs)
+        yield Real(f"http://127.0.0.1:{port}")
+    finally:
+        stop(procs[1:])
+        stop(procs[:1])
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer() -> Any:
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(REAL_MODEL))
+
+
+def hf_chat_ids(hf_tokenizer: Any, messages: list[dict], **kwargs: Any) -> list[int]:
+    """transformers' chat template ids (version 5 returns a BatchEncoding, 4 a list)."""
+    out = hf_tokenizer.apply_chat_template(messages, **kwargs)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def test_json_keys_come_out_in_the_schemas_order(real: Real) -> None:
+    schema = {"type": "object", "additionalProperties": False,
+              "properties": {"zeta_title": {"type": "string", "maxLength": 20},
+                             "beta_year": {"type": "integer"},
+                             "alpha_author": {"type": "string", "maxLength": 20}},
+              "required": ["zeta_title", "beta_year", "alpha_author"]}
+    msgs = [{"role": "user", "content": "Give a book as JSON: title, year, author."}]
+    r = real.ok("/v1/chat/completions", model="smol", messages=msgs, max_tokens=80,
+                response_format={"type": "json_schema", "json_schema": {"name": "book", "schema": schema}})
+    text = r["choices"][0]["message"]["content"]
+    assert list(json.loads(text)) == ["zeta_title", "beta_year", "alpha_author"], text
+
+
+def test_the_stopping_token_is_in_token_ids_not_in_the_text(real: Real, hf_tokenizer: Any) -> None:
+    msgs = [{"role": "user", "content": "What orbits the Earth? One sentence."}]
+    free = real.ok("/v1/chat/completions", messages=msgs, max_tokens=40, return_token_ids=True,
+                   skip_special_tokens=False)["choices"][0]
+    eos = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert free["finish_reason"] == "stop" and free["token_ids"][-1] == eos
+    assert not free["message"]["content"].endswith("<|im_end|>"), free["message"]["content"]
+    assert free["message"]["content"] == hf_tokenizer.decode(free["token_ids"][:-1])
+    kept = real.ok("/v1/chat/completions", messages=msgs, max_tokens=40, skip_special_tokens=False,
+                   include_stop_str_in_output=True)["choices"][0]["message"]["content"]
+    assert kept == free["message"]["content"] + "<|im_end|>"
+    # A plain token named in stop_token_ids: the third token of the free answer.
+    stop_id = free["token_ids"][2]
+    first = free["token_ids"].index(stop_id)
+    for stream in (False, True):
+        body = dict(messages=msgs, max_tokens=40, stop_token_ids=[stop_id], return_token_ids=True)
+        if stream:
+            r = real.post("/v1/chat/completions", stream=True, **body)
+            events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
+            text = "".join(c["delta"].get("content", "") for e in events for c in e["choices"])
+            ids = [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])]
+            stop_reason = [c["stop_reason"] for e in events for c in e["choices"] if c.get("finish_reason")][0]
+        else:
+            choice = real.ok("/v1/chat/completions", **body)["choices"][0]
+            text, ids, stop_reason = choice["message"]["content"], choice["token_ids"], choice["stop_reason"]
+        assert ids == free["token_ids"][:first + 1] and stop_reason == stop_id
+        assert text == hf_tokenizer.decode(ids[:-1]), (stream, text)
+
+
+def test_completions_top_logprobs_keep_every_token(real: Real) -> None:
+    prompt = "<|im_start|>user\nWrite a Spanish greeting with emoji.<|im_end|>\n<|im_start|>assistant\n"
+    r = real.ok("/v1/completions", prompt=prompt, max_tokens=30, logprobs=20,
+                structured_outputs={"choice": [SPANISH]})
+    lp = r["choices"][0]["logprobs"]
+    assert r["choices"][0]["text"] == SPANISH
+    assert all(len(top) in (20, 21) for top in lp["top_logprobs"]), [len(t) for t in lp["top_logprobs"]]
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[token] == value and "\ufffd" not in "".join(top)
+    assert any(t.startswith("bytes:") for t in lp["tokens"])  # the emoji's partial tokens
+
+
+def test_chat_logprob_bytes_are_the_tokens_own(real: Real) -> None:
+    msgs = [{"role": "user", "content": "Greet me in Spanish with emoji."}]
+    r = real.ok("/v1/chat/completions", messages=msgs, max_tokens=30, logprobs=True, top_logprobs=3,
+                structured_outputs={"choice": [SPANISH]})
+    content = r["choices"][0]["logprobs"]["content"]
+    assert any(c["token"] == "\ufffd" for c in content)
+    assert content[-1]["token"] == "<|im_end|>"  # the stopping token: in token_ids and logprobs, not the text
+    assert b"".join(bytes(c["bytes"]) for c in content[:-1]).decode() == SPANISH == r["choices"][0]["message"]["content"]
+
+
+def test_continue_final_message_as_transformers_renders_it(real: Real, hf_tokenizer: Any) -> None:
+    msgs = [{"role": "user", "content": "Name three planets."}, {"role": "assistant", "content": "Mercury, Venus,"}]
+    r = real.ok("/v1/chat/completions", messages=msgs, max_tokens=8, continue_final_message=True,
+                add_generation_prompt=False, return_token_ids=True)
+    assert r["prompt_token_ids"] == hf_chat_ids(hf_tokenizer, msgs, continue_final_message=True)
+    assert "<|im_start|>" not in hf_tokenizer.decode(r["choices"][0]["token_ids"])
+
+
+def test_text_parts_join_with_a_newline(real: Real, hf_tokenizer: Any) -> None:
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    r = real.ok("/v1/chat/completions", messages=[{"role": "user", "content": parts}], max_tokens=1,
+                return_token_ids=True)
+    assert r["prompt_token_ids"] == hf_chat_ids(
+        hf_tokenizer, [{"role": "user", "content": "Hello\nworld"}], add_generation_prompt=True)
+
+
+def test_truncate_prompt_tokens_and_token_id_keys(real: Real, hf_tokenizer: Any) -> None:
+    prompt = "The capital of France is Paris. The capital of Spain is Madrid. The capital of Italy is"
+    ids = hf_tokenizer(prompt)["input_ids"]
+    cut = real.ok("/v1/completions", prompt=prompt, max_tokens=4, truncate_prompt_tokens=6, logprobs=2,
+                  return_tokens_as_token_ids=True)
+    direct = real.ok("/v1/completions", prompt=ids[-6:], max_tokens=4, return_token_ids=True)
+    assert cut["usage"]["prompt_tokens"] == 6
+    assert cut["choices"][0]["text"] == direct["choices"][0]["text"]
+    assert cut["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in direct["choices"][0]["token_ids"]]
+
+
+def test_prompt_logprobs_is_refused_by_name(real: Real) -> None:
+    r = real.post("/v1/completions", prompt="Hi", max_tokens=2, prompt_logprobs=1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_ascii_digit_regexes_keep_non_ascii_digits_out(real: Real) -> None:
+    """docs/structured_output.md's trap: ``\\d`` is any Unicode digit; ``(?-u:\\d)`` and ``[0-9]`` are ASCII."""
+    import llguidance
+
+    ll_tok = llguidance.LLTokenizer((REAL_MODEL / "tokenizer.json").read_text(), n_vocab=49152, eos_token=[2])
+    ids = [int(t) for t in httpx.post(real.url + "/tokenize", json={"prompt": "🯸٣1", "add_special_tokens": False},
+                                         timeout=30).json()["tokens"]]
+
+    def accepts(regex: str) -> bool:
+        matcher = llguidance.LLMatcher(ll_tok, llguidance.LLMatcher.grammar_from_regex(regex))
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    assert accepts(r"\d{3}") and not accepts(r"(?-u:\d){3}") and not accepts(r"[0-9]{3}")
+    phone = r"\((?-u:\d{3})\) (?-u:\d{3}-\d{4})"
+    msgs = [{"role": "user", "content": "Make up a phone number."}]
+    r = real.ok("/v1/chat/completions", messages=msgs, max_tokens=20, n=8, seed=0, temperature=1.0,
+                structured_outputs={"regex": phone})
+    texts = [c["message"]["content"] for c in r["choices"]]
+    assert all(re.fullmatch(r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}", t) for t in texts), texts

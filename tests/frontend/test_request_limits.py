@@ -79,7 +79,7 @@ def test_hostile_bodies_get_400s_naming_their_limit_without_stalling_the_loop(
     assert not any(rec.exc_info for rec in caplog.records)  # no traceback
 
 
-def test_large_requests_within_limits_are_prepared_off_the_loop(demo_model_dir: Path,
+def test_large_requests_at_the_limits_are_served(demo_model_dir: Path,
                                                                 demo_tokenizer: Tokenizer) -> None:
     prompts = ["count to ten, then back to one: " * 8] * MAX_PROMPTS
     messages = [{"role": "user", "content": ""}] * MAX_CHAT_MESSAGES
@@ -88,10 +88,10 @@ def test_large_requests_within_limits_are_prepared_off_the_loop(demo_model_dir: 
         ("/v1/chat/completions", {"messages": messages, "max_tokens": 1}),
     ]
     results = _run(demo_model_dir, demo_tokenizer, cases)
+    # Served at the limits (how long the loop waited is not asserted: on the loop these took ~0.1 s
+    # unloaded, so a shared machine's noise would decide; test_prepare.py checks the thread hops).
     assert results[0][0].status_code == 200 and len(results[0][0].json()["choices"]) == MAX_PROMPTS
     assert results[1][0].status_code in (200, 400), results[1][0].text  # too long for the context: 400
-    for _, gap in results:
-        assert gap < 1.0, [g for _, g in results]
 
 
 def test_json_depth_ignores_brackets_inside_strings() -> None:

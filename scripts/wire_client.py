@@ -22,7 +22,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 INT64_MAX = 2**63 - 1
 pack, unpack = msgspec.msgpack.encode, msgspec.msgpack.decode
 

@@ -194,6 +194,7 @@ class WorkerConfig(Struct, forbid_unknown_fields=True):
     # Links over TCP to an engine-core on another host: CURVE keys from $EVENFLOW_DIST_SECRET.
     secure_link: bool = False
     speculative_config: SpeculativeConfig | None = None
+    quantization: str | None = None  # GGUF 4-bit projections: None (auto), "gguf" (keep), "none" (dequantize)
 
 
 class WorkerReady(Struct, tag="worker_ready", array_like=True):

@@ -28,6 +28,7 @@ from evenflow.worker.grammar_mask import apply_grammar_bitmask
 from evenflow.worker.kv_cache import (
     allocate_kv_cache, blocks_usable, bytes_per_block, cpu_kv_cache_size, cuda_kv_cache_size, measure_cuda_memory,
 )
+from evenflow.worker.int4_weights import effective_quantization
 from evenflow.worker.loader import load_weights, resolve_dtype
 from evenflow.worker.models.registry import build_model
 from evenflow.worker.parallel import destroy_tensor_parallel, init_tensor_parallel
@@ -87,7 +88,8 @@ class ModelRunner:
         self.threads = ThreadSetter(plan_step_threads(self.device, config.world_size, config.num_threads),
                                     self.num_params * torch.empty(0, dtype=self.torch_dtype).element_size(),
                                     process_run_queue_wait)
-        load_weights(self.model, config.model, config.load_format, config.seed)
+        load_weights(self.model, config.model, config.load_format, config.seed,
+                     effective_quantization(config.quantization, config.dtype))
         self.model.eval()
         cfg = self.model_config
         self.attn = backend_cls(self.model.num_heads, self.model.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,

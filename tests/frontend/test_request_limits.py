@@ -75,12 +75,11 @@ def test_hostile_bodies_get_400s_naming_their_limit_without_stalling_the_loop(
                 f"limit of {MAX_CHAT_MESSAGES}"]
     for (r, gap), words in zip(results, expected):
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
-        assert gap < 1.0, (words, gap)  # the machine is shared: the stalls were seconds
+        assert gap < 2.0, (words, gap)  # the machine may be shared: the stalls this guards against were 2.6-15 s
     assert not any(rec.exc_info for rec in caplog.records)  # no traceback
 
 
-def test_large_requests_at_the_limits_are_served(demo_model_dir: Path,
-                                                                demo_tokenizer: Tokenizer) -> None:
+def test_large_requests_at_the_limits_are_served(demo_model_dir: Path, demo_tokenizer: Tokenizer) -> None:
     prompts = ["count to ten, then back to one: " * 8] * MAX_PROMPTS
     messages = [{"role": "user", "content": ""}] * MAX_CHAT_MESSAGES
     cases = [

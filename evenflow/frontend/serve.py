@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 from evenflow.protocol.lifeline import child_env
 
 from evenflow.frontend.default_model import RANDOM_DEMO, choose_demo, is_demo_request
-from evenflow.frontend.flags import add_frontend_flags
+from evenflow.frontend.flags import RUNTIME_LORA_ENV, add_frontend_flags
 from evenflow.frontend.reuse_port import bind_reuseport
 from evenflow.frontend.supervisor import Child, Supervisor
 

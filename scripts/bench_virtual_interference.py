@@ -61,7 +61,7 @@ def main() -> None:
     print(f"costs (fixed, token, read, pair, request): {', '.join(f'{c:.3g}' for c in costs.coefficients)}")
     print(f"unchunked {args.long_prompt_len}-token prefill {unchunked:.2f} s, decode step of {args.streams} "
           f"{decode * 1e3:.1f} ms; a long prompt every {interval:.1f} s for {load.duration_s:.0f} s")
-    print(f"| run | target ms | mean budget | ITL p50 | ITL p99 | ITL max | gaps > 250 ms | long TTFT p50 s | out tok/s |")
+    print("| run | target ms | mean budget | ITL p50 | ITL p99 | ITL max | gaps > 250 ms | long TTFT p50 s | out tok/s |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
     seeds = [int(s) for s in args.seeds.split(",")]
     default_multiple = auto_target.AUTO_TARGET_DECODE_MULTIPLE

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from evenflow.worker.models.linear import Linear, TorchLinear
+from evenflow.worker.models.linear import Linear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack
 
 log = logging.getLogger("evenflow.worker.int4")

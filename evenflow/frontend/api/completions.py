@@ -70,7 +70,7 @@ async def create_completion(ctx: ServingContext, body: bytes, receive: Receive,
             choice.token_ids = asm.token_ids
             choice.prompt_token_ids = job.prompt_token_ids
         choices.append(choice)
-    resp = CompletionResponse(request_id, int(time.time()), ctx.model_name, choices, usage_of(gen))
+    resp = CompletionResponse(request_id, int(time.time()), ctx.response_model(gen), choices, usage_of(gen))
     return Response(encode_json(resp), media_type="application/json")
 
 
@@ -88,7 +88,7 @@ async def _stream(
     ctx: ServingContext, req: CompletionRequest, gen: Generation, request_id: str, echo: list[str] | None
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
-    model = ctx.model_name
+    model = ctx.response_model(gen)
     first = [True] * len(gen.jobs)
     try:
         async for job, delta in gen.stream():

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 from evenflow.protocol import SamplingParams
+from evenflow.protocol.block_hash import adapter_extra_keys
+from evenflow.protocol.lora import AdapterRef
 
 
 @dataclass
@@ -142,6 +144,13 @@ class Request:
         self.first_scheduled_time = 0.0  # unix seconds; for the queue-time metric
         # Structured output: its compile and matcher (set by StructuredOutputManager.submit).
         self.grammar: GrammarState | None = None
+        # The LoRA adapter serving it (None: the base model); set with set_lora.
+        self.lora: AdapterRef | None = None
+
+    def set_lora(self, adapter: AdapterRef | None) -> None:
+        """Serve it with ``adapter``: its identity enters every block hash (other KV than the base's)."""
+        self.lora = adapter
+        self.cache_extra_keys = adapter_extra_keys(adapter.identity if adapter is not None else None)
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """The one way tokens are added: output and all-tokens lists grow together."""

@@ -22,7 +22,7 @@ class Executor(Protocol):
         ...
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the engine's choice of KV blocks on every rank."""
+        """Allocate the engine's choice of KV blocks on every rank; returns once each holds them."""
         ...
 
     def send_step(self, so: SchedulerOutput) -> None:

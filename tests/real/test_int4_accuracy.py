@@ -109,3 +109,28 @@ def test_int4_greedy_agrees_wherever_the_float32_choice_is_clear(float32_runner:
         clear = (top2[:, 0] - top2[:, 1]) >= CLEAR_MARGIN
         assert bool(clear.any())
         assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear]), prompt
+
+
+DEMO_CHAT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+             "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("path", ["int4 kernel", "dequantized bfloat16", "dequantized float32"])
+def test_the_demo_answer_starts_as_float32_does_through_every_int4_path(
+        path: str, float32_runner: ModelRunner, int4_runner: ModelRunner, tokenizer: Tokenizer) -> None:
+    """The README's first question: its top two first tokens ("The", "L") are 0.08 apart in float32, so
+    logits rounded anywhere to bfloat16 (a bf16 LM head rounds to 0.125 there) flip the answer."""
+    ids = tokenizer.encode(DEMO_CHAT) + [0]  # one more position, so the prompt's last logits are scored
+    expected = int(score(float32_runner, ids, len(ids)).logits[-1].argmax())
+    assert tokenizer.decode([expected]) == "The"
+    kernel = int4_runner.model.linear
+    saved = kernel.plan
+    try:
+        if path == "int4 kernel":
+            kernel.plan = Int4Plan(len(ids), saved.dense_dtype, "test")
+        else:
+            kernel.plan = Int4Plan(0, torch.bfloat16 if "bfloat16" in path else torch.float32, "test")
+        got = int(score(int4_runner, ids, len(ids)).logits[-1].argmax())
+    finally:
+        kernel.plan = saved
+    assert got == expected, tokenizer.decode([got])

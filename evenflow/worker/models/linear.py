@@ -86,22 +86,7 @@ class PackedCpuLinear:
             return False
 
 
-class CastLinear:
-    """A weight kept in another dtype than the activations (the LM head in bfloat16 beside int4
-    projections): the input is cast to the weight's dtype, the output back."""
-
-    def __init__(self, inner: TorchLinear | PackedCpuLinear, dtype: torch.dtype) -> None:
-        self.inner, self.dtype = inner, dtype
-        self.name = f"{inner.name}-{str(dtype)[6:]}"
-
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
-        return self.inner.prepare(weight.detach().to(self.dtype))
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.inner(x.to(self.dtype), weight, None if bias is None else bias.to(self.dtype)).to(x.dtype)
-
-
-Linear = TorchLinear | UpcastCpuLinear | PackedCpuLinear | CastLinear
+Linear = TorchLinear | UpcastCpuLinear | PackedCpuLinear
 
 
 def cpu_has_fast_path(dtype: torch.dtype) -> bool:

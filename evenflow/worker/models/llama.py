@@ -19,7 +19,7 @@ from evenflow.worker.lora.pool import LoRAStep
 from evenflow.worker.models.int4_linear import Int4CpuLinear, int4_fits, int4_plan
 from evenflow.worker.models.layers import RotaryTable, apply_rotary, rms_norm, rms_norm_heads
 from evenflow.worker.models.linear import (
-    CastLinear, PackedCpuLinear, TorchLinear, UpcastCpuLinear, cpu_has_fast_path, emulated_slowdown, pick_linear,
+    UpcastCpuLinear, cpu_has_fast_path, emulated_slowdown, pick_linear,
 )
 from evenflow.worker.models.q4_blocks import Int4Weight, Q4Rows, concat_rows, pack
 from evenflow.worker.parallel import TensorParallel
@@ -108,7 +108,10 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryTable(cfg.head_dim, max(max_model_len, 1), cfg.rope_theta, cfg.rope_scaling, dtype,
                                   device)
         self.linear = pick_linear(dtype, device)
-        self.head_linear = self.linear  # the LM head's kernel (bfloat16 beside int4 projections)
+        # The LM head's kernel: the dense one even beside int4 projections. A bfloat16 head would halve its
+        # bytes but round logits to 0.125 at 25 and tie real top-2 choices (SmolLM2 answered "L'Etoile"
+        # to "What is the capital of France?" where float32 says "The capital of France is Paris.").
+        self.head_linear = self.linear
         if isinstance(self.linear, UpcastCpuLinear):
             slow = emulated_slowdown(dtype, (2 * self.intermediate, cfg.hidden_size))
             log.warning("--dtype %s on a CPU without native %s (no avx512_bf16/amx_bf16): a projection takes "
@@ -198,7 +201,6 @@ class LlamaModel(nn.Module):
                 self._dense_from_int4_parts()
             else:
                 self.linear = Int4CpuLinear(self.linear, plan)
-                self.head_linear = self._int4_head_linear()
         prepare = self.linear.prepare
 
         def take(param: nn.Parameter, name: str) -> torch.Tensor | Int4Weight:
@@ -233,16 +235,6 @@ class LlamaModel(nn.Module):
             self._copy_dense(param, parts)
             return self.linear.prepare(param)
         return pack(concat_rows([parts[o] for o in sorted(parts)]))
-
-    def _int4_head_linear(self) -> CastLinear | Int4CpuLinear:
-        """Beside int4 projections, a float32 LM head would be most of a decode step's bytes (113 of
-        180 MB for SmolLM2): where the CPU has native bf16 it is kept in bfloat16, the precision the
-        int4 kernel's activations have anyway."""
-        if self.dtype != torch.float32 or not cpu_has_fast_path(torch.bfloat16):
-            return self.linear
-        inner = PackedCpuLinear() if PackedCpuLinear.works(torch.bfloat16) else TorchLinear()
-        log.info("LM head in bfloat16 beside the int4 projections (%s)", inner.name)
-        return CastLinear(inner, torch.bfloat16)
 
     def _dense_from_int4_parts(self) -> None:
         params = dict(self.named_parameters())

@@ -1,11 +1,10 @@
-"""API fidelity on the real model (SmolLM2-135M-Instruct, float32 HF folder), where issue 25 saw
-each defect: one engine-core + one frontend for the module, greedy requests, transformers'
-tokenizer and chat template as the reference."""
+"""API fidelity on the real model (SmolLM2-135M-Instruct, the Q4_1 GGUF served as float32), where
+issue 25 saw each defect: one engine-core + one frontend for the module, greedy requests,
+transformers' tokenizer and chat template from the same file as the reference."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -13,20 +12,18 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from .live import free_port, start, stop, wait_for
+from evenflow.protocol.gguf_tokenizer import tokenizer_json_text
+from tests.frontend.live import free_port, start, stop, wait_for
 
 pytestmark = pytest.mark.slow
-
-REAL_MODEL = Path(os.environ.get("EVENFLOW_SMOLLM2_DIR", "/work/models/smollm2-f32"))
-if not (REAL_MODEL / "config.json").is_file():
-    pytest.skip(f"the real model folder {REAL_MODEL} is not here", allow_module_level=True)
 
 SPANISH = "¿cómo estás? 🯸🯸"  # byte-level tokens that are each part of a character
 
 
 class Real:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, gguf: Path) -> None:
         self.url = url
+        self.gguf = gguf
 
     def post(self, path: str, **body: Any) -> httpx.Response:
         body.setdefault("temperature", 0.0)
@@ -39,27 +36,21 @@ class Real:
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Real]:
+def real(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Real]:
     tmp = tmp_path_factory.mktemp("real")
     engine_addr = f"ipc://{tmp}/engine.sock"
     port = free_port()
     logs = [tmp / "engine.log", tmp / "frontend.log"]
-    procs = [start(["-m", "evenflow.core.cli", "--model", str(REAL_MODEL), "--listen", engine_addr,
+    procs = [start(["-m", "evenflow.core.cli", "--model", str(smollm2_gguf), "--listen", engine_addr,
                     "--served-model-name", "smol", "--max-model-len", "1024", "--num-kv-blocks", "128",
-                    "--max-num-batched-tokens", "256"], logs[0])]
+                    "--max-num-batched-tokens", "256", "--dtype", "float32"], logs[0])]
     procs.append(start(["-m", "evenflow.frontend.cli", "--engine", engine_addr, "--port", str(port)], logs[1]))
     try:
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200, 300, procs, logs)
-        yield Real(f"http://127.0.0.1:{port}")
+        yield Real(f"http://127.0.0.1:{port}", smollm2_gguf)
     finally:
         stop(procs[1:])
         stop(procs[:1])
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer() -> Any:
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(REAL_MODEL))
 
 
 def hf_chat_ids(hf_tokenizer: Any, messages: list[dict], **kwargs: Any) -> list[int]:
@@ -168,7 +159,7 @@ def test_ascii_digit_regexes_keep_non_ascii_digits_out(real: Real) -> None:
     """docs/structured_output.md's trap: ``\\d`` is any Unicode digit; ``(?-u:\\d)`` and ``[0-9]`` are ASCII."""
     import llguidance
 
-    ll_tok = llguidance.LLTokenizer((REAL_MODEL / "tokenizer.json").read_text(), n_vocab=49152, eos_token=[2])
+    ll_tok = llguidance.LLTokenizer(tokenizer_json_text(real.gguf), n_vocab=49152, eos_token=[2])
     ids = [int(t) for t in httpx.post(real.url + "/tokenize", json={"prompt": "🯸٣1", "add_special_tokens": False},
                                          timeout=30).json()["tokens"]]
 

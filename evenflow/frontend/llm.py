@@ -39,6 +39,7 @@ from evenflow.frontend.structured_outputs import offline_structured_outputs
 from evenflow.frontend.chat_template import render_chat
 from evenflow.frontend.logprobs import LogprobEntry
 from evenflow.frontend.progress import Progress
+from evenflow.frontend.prompt_logprobs import PromptLogprobEntries, prompt_logprob_entries
 from evenflow.frontend.tokenizer import Tokenizer
 
 
@@ -76,6 +77,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # vLLM's: None for the first prompt token, then {token_id: Logprob} (prompt token and top-k).
+    prompt_logprobs: PromptLogprobEntries | None = None
 
     @property
     def text(self) -> str:
@@ -209,7 +212,9 @@ class LLM:
             outs = [CompletionOutput(j.index, j.assembler.text, j.assembler.token_ids, j.assembler.finish_reason,
                                      j.assembler.stop_reason, j.assembler.logprobs if j.params.logprobs is not None else None)
                     for j in gen.jobs]
-            results.append(RequestOutput(gen.jobs[0].engine_id.rsplit("-", 1)[0], text, ids, outs, gen.num_cached_tokens))
+            rows = gen.jobs[0].assembler.prompt_logprobs
+            results.append(RequestOutput(gen.jobs[0].engine_id.rsplit("-", 1)[0], text, ids, outs, gen.num_cached_tokens,
+                                         prompt_logprob_entries(self.tokenizer, rows) if rows is not None else None))
         return results
 
     def _generation(self, prompt_ids: list[int], sp: EngineSamplingParams) -> Generation:

@@ -150,8 +150,39 @@ def test_truncate_prompt_tokens_and_token_id_keys(real: Real, hf_tokenizer: Any)
     assert cut["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in direct["choices"][0]["token_ids"]]
 
 
-def test_prompt_logprobs_is_refused_by_name(real: Real) -> None:
-    r = real.post("/v1/completions", prompt="Hi", max_tokens=2, prompt_logprobs=1)
+def test_prompt_logprobs_as_vllm_returns_them(real: Real, hf_model: Any) -> None:
+    """Per choice: None for the first prompt token, then {token_id: {logprob, rank, decoded_token}}
+    with the prompt token and the top-k; values as transformers' log_softmax (float32, 2e-3). The
+    prompt is longer than the server's budget of 256, so it arrives in chunks; the same prompt
+    again (its blocks cached now) gives the same rows; chat carries them at the top level."""
+    import torch
+
+    prompt = " ".join(f"Item {i} costs {i * 7 % 13} coins." for i in range(60))
+    k = 2
+    first = real.ok("/v1/completions", prompt=prompt, max_tokens=1, prompt_logprobs=k, n=2, return_token_ids=True)
+    ids = first["choices"][0]["prompt_token_ids"]
+    assert len(ids) > 256
+    entries = first["choices"][0]["prompt_logprobs"]
+    assert first["choices"][1]["prompt_logprobs"] == entries  # every choice of the prompt shows them
+    assert len(entries) == len(ids) == first["usage"]["prompt_tokens"] and entries[0] is None
+    with torch.no_grad():
+        expected = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, :-1].double(), dim=-1)
+    errors = []
+    for i, entry in enumerate(entries[1:]):
+        mine = entry[str(ids[i + 1])]
+        assert set(mine) == {"logprob", "rank", "decoded_token"}
+        ranks = sorted(e["rank"] for e in entry.values())  # the top-k are 1..k; the prompt token any
+        assert ranks[:k] == list(range(1, k + 1)) and (len(entry) == k or ranks[k] == mine["rank"] > k), entry
+        errors.extend(abs(e["logprob"] - expected[i, int(t)].item()) for t, e in entry.items())
+    assert max(errors) < 2e-3, max(errors)
+    again = real.ok("/v1/completions", prompt=prompt, max_tokens=1, prompt_logprobs=k)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing read from the cache
+    assert [e and sorted(e) for e in again["choices"][0]["prompt_logprobs"]] == [e and sorted(e) for e in entries]
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = real.ok("/v1/chat/completions", messages=msgs, max_tokens=1, prompt_logprobs=0, return_token_ids=True)
+    assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"]) and chat["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    r = real.post("/v1/completions", prompt="Hi", max_tokens=2, prompt_logprobs=1, stream=True)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
 

@@ -43,7 +43,7 @@ def main() -> None:
     rounds = [one_round(path, DTYPES[args.dtype]) for _ in range(args.repeats)]
     print(f"{path.name}, {path.stat().st_size / 2**20:.0f} MiB, to {args.dtype}, {args.repeats} rounds, "
           f"torch threads {torch.get_num_threads()}")
-    print(f"| phase | best s | median s |\n|---|---:|---:|")
+    print("| phase | best s | median s |\n|---|---:|---:|")
     for phase in rounds[0]:
         values = [r[phase] for r in rounds]
         print(f"| {phase} | {min(values):.2f} | {statistics.median(values):.2f} |")

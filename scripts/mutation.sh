@@ -7,21 +7,19 @@
 #   scripts/mutation.sh --survivors evenflow/core/request.py   # after new tests: rerun only last run's survivors
 #   MUTATION_ONLY='*prepare_inputs* *update*' scripts/mutation.sh evenflow/worker/batch.py   # only these globs
 #
-# Prints "file: killed/total" per file and leaves the details in build/mutation/<file>/
-# (`cd build/mutation/core_scheduler && mutmut results` lists survivors, `mutmut show NAME`
-# shows one). Not run in CI: it takes minutes per file. See docs/mutation.md.
-# Needs mutmut 3 (pip install -e ".[mutation]").
+# Prints "file: killed/total" per file; mutmut keeps its state in mutants/ at the repository root
+# (`scripts/mutation.sh --results` lists every mutant's status, `scripts/mutation.sh --show NAME`
+# shows one) and the script a log and the results per file in build/mutation/. Not run in CI: it takes minutes per
+# file. See docs/mutation.md. Needs mutmut 3 (pip install -e ".[mutation]").
 #
-# Why a staging folder: mutmut names a mutant by its file path (evenflow/core/sched/scheduler.py ->
-# core.scheduler) and only runs it when that equals the function's __module__, which here is
-# evenflow.core.sched.scheduler (pyproject maps package dirs). So each run copies the parts into
-# src/evenflow/<part> (mutmut drops a leading "src."), with the tests and a pyproject holding
-# only the mutmut and pytest settings. The editable install's import hook comes after the
-# path-based finder, so the tests import the mutated copy from mutants/src.
+# It runs in place: the import path is the file path (evenflow/core/sched/scheduler.py is
+# evenflow.core.sched.scheduler), which is how mutmut names a mutant. Each file's settings (what
+# to mutate, which tests) go in a setup.cfg written at the root for the run and removed after it
+# (mutmut reads setup.cfg when pyproject.toml has no [tool.mutmut]): one run at a time per tree.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-root=${MUTATION_DIR:-$repo/build/mutation}
+root=${MUTATION_DIR:-$repo/build/mutation}  # logs and results, per file
 jobs=${MUTATION_JOBS:-1}
 python=${PYTHON:-$repo/.venv/bin/python}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one core per mutant process: the machine is shared
@@ -38,57 +36,52 @@ declare -A TESTS=(
 )
 ORDER=(evenflow/core/kv/block_pool.py evenflow/core/request.py evenflow/core/kv/manager.py evenflow/core/sched/scheduler.py evenflow/worker/batch.py evenflow/worker/sampler.py)
 
-toml_list() {  # words -> a TOML array of strings
-  local out="" word
-  for word in "$@"; do out+="${out:+, }\"$word\""; done
-  printf '[%s]' "$out"
-}
-
 run_one() {
-  local file=$1 slug=${1//\//_}
-  slug=${slug%.py}
-  local stage=$root/$slug
+  local file=$1 module=${1%.py}
+  module=${module//\//.}
   [[ -n ${TESTS[$file]:-} ]] || { echo "no test subset for $file (known: ${ORDER[*]})" >&2; return 2; }
-  mkdir -p "$stage/src/evenflow"
-  # cp -p keeps mtimes, so mutmut reuses earlier results for files that did not change.
-  for part in core worker protocol frontend tests; do
-    local dest=$stage/src/evenflow/$part
-    [[ $part == tests ]] && dest=$stage/tests
-    rm -rf "$dest" && cp -rp "$repo/$part" "$dest"
-    find "$dest" -name __pycache__ -prune -exec rm -rf {} +
-  done
-  # shellcheck disable=SC2086
-  cat > "$stage/pyproject.toml" <<EOF
-[tool.mutmut]
-source_paths = ["src"]
-only_mutate = ["src/evenflow/$file"]
-pytest_add_cli_args_test_selection = $(toml_list ${TESTS[$file]})
-pytest_add_cli_args = ["-p", "no:cacheprovider", "-m", "not slow and not cuda"]
-use_git_change_detection = false
-# Each mutant runs in a process forked from a server that never ran torch: forking after torch
-# started its thread pool deadlocks the child.
-process_isolation = "forkserver"
-
-[tool.pytest.ini_options]
-testpaths = ["tests"]
-markers = ["slow: end-to-end tests across processes", "cuda: needs a CUDA device"]
-timeout = 600
-EOF
-  local names=()
-  if [[ $survivors_only == 1 && -f $stage/results.txt ]]; then
-    mapfile -t names < <(sed -n 's/^ *\(.*\): survived$/\1/p' "$stage/results.txt")
+  [[ ! -e $repo/setup.cfg ]] || { echo "$repo/setup.cfg exists: another run in progress?" >&2; return 1; }
+  trap 'rm -f "$repo/setup.cfg"' RETURN
+  {
+    echo "[mutmut]"
+    echo "source_paths = evenflow"
+    echo "only_mutate = $file"
+    echo "pytest_add_cli_args_test_selection ="
+    printf '    %s\n' ${TESTS[$file]}
+    echo "pytest_add_cli_args ="
+    printf '    %s\n' -p no:cacheprovider -m "not slow and not cuda"
+    # Each mutant runs in a process forked from a server that never ran torch: forking after
+    # torch started its thread pool deadlocks the child.
+    echo "process_isolation = forkserver"
+  } > "$repo/setup.cfg"
+  local names=("$module.*")
+  if [[ $survivors_only == 1 && -f $root/$module.results.txt ]]; then
+    mapfile -t names < <(sed -n 's/^ *\(.*\): survived$/\1/p' "$root/$module.results.txt")
     [[ ${#names[@]} -gt 0 ]] || { echo "$file: no survivors to rerun"; return 0; }
   elif [[ -n ${MUTATION_ONLY:-} ]]; then
     read -ra names <<< "$MUTATION_ONLY"  # space-separated globs; read does not expand them
   fi
-  (cd "$stage" && nice -n 10 "$python" -m mutmut run --max-children "$jobs" "${names[@]}" > run.log 2>&1) || {
-    echo "$file: mutmut failed, see $stage/run.log" >&2; tail -20 "$stage/run.log" >&2; return 1; }
-  (cd "$stage" && "$python" -m mutmut results --all true > results.txt)
+  mkdir -p "$root"
+  # PYTHONPATH would put the unmutated tree before mutants/ (mutmut puts mutants/ first itself).
+  (cd "$repo" && PYTHONPATH= nice -n 10 "$python" -m mutmut run --max-children "$jobs" "${names[@]}" \
+      > "$root/$module.log" 2>&1) || {
+    echo "$file: mutmut failed, see $root/$module.log" >&2; tail -20 "$root/$module.log" >&2; return 1; }
+  (cd "$repo" && "$python" -m mutmut results --all true | grep -F "$module." > "$root/$module.results.txt" || true)
   local total killed
-  total=$(grep -c ': ' "$stage/results.txt" || true)
-  killed=$(grep -c ': killed$' "$stage/results.txt" || true)
-  echo "$file: $killed/$total killed ($(grep -v ': killed$' "$stage/results.txt" | awk '{print $NF}' | sort | uniq -c | tr -s ' ' | paste -sd, -))"
+  total=$(grep -c ': ' "$root/$module.results.txt" || true)
+  killed=$(grep -c ': killed$' "$root/$module.results.txt" || true)
+  echo "$file: $killed/$total killed ($(grep -v ': killed$' "$root/$module.results.txt" | awk '{print $NF}' | sort | uniq -c | tr -s ' ' | paste -sd, -))"
 }
+
+# mutmut's own views of the state in mutants/ (it needs a config to start): --results, --show NAME.
+if [[ ${1:-} == --results || ${1:-} == --show ]]; then
+  [[ ! -e $repo/setup.cfg ]] || { echo "$repo/setup.cfg exists: another run in progress?" >&2; exit 1; }
+  trap 'rm -f "$repo/setup.cfg"' EXIT
+  printf '[mutmut]\nsource_paths = evenflow\n' > "$repo/setup.cfg"
+  view=${1#--}; shift
+  cd "$repo" && PYTHONPATH= "$python" -m mutmut "$view" "$@"
+  exit
+fi
 
 survivors_only=0
 if [[ ${1:-} == --survivors ]]; then survivors_only=1; shift; fi

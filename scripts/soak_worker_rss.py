@@ -7,7 +7,9 @@ with --clients concurrent requests of varied prompt and output lengths (new shap
 as in real traffic) through the wire client, samples the worker's RSS every 10 s, and prints a
 table: RSS at each minute and the growth over the last half of the run (MB/min). Variants:
 ``default`` (glibc's malloc as configured), ``arena2`` (MALLOC_ARENA_MAX=2), ``trim``
-(MALLOC_TRIM_THRESHOLD_=0: freed memory returns to the OS at once).
+(MALLOC_TRIM_THRESHOLD_=0: freed memory returns to the OS at once), ``mmap128k``
+(MALLOC_MMAP_THRESHOLD_=131072: every block over 128 KiB, a tensor, is its own mapping, unmapped
+when freed; a fixed threshold also stops glibc from raising it after each free).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from evenflow.frontend.demo_model import ensure_demo_model  # noqa: E402
 from evenflow.protocol import SamplingParams  # noqa: E402
 from tests.e2e.harness import start_engine  # noqa: E402
 
-VARIANTS = {"default": {}, "arena2": {"MALLOC_ARENA_MAX": "2"}, "trim": {"MALLOC_TRIM_THRESHOLD_": "0"}}
+VARIANTS = {"default": {}, "arena2": {"MALLOC_ARENA_MAX": "2"}, "trim": {"MALLOC_TRIM_THRESHOLD_": "0"},
+            "mmap128k": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
 FLAGS = ("--max-model-len", "1024", "--num-kv-blocks", "256", "--max-num-batched-tokens", "256", "--max-num-seqs",
          "8", "--worker-threads", "1")
 

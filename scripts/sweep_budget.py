@@ -61,10 +61,10 @@ class SweepPoint:
 
 
 def measure_budget(args: argparse.Namespace, budget: int | None, vocab: int,
-                   target_itl_ms: float | None = None) -> SweepPoint:
-    """Start the server for ``budget`` (or ``target_itl_ms``), run the workload (and the capacity
-    search), stop it."""
-    cfg = dataclasses.replace(server_config(args, budget), target_itl_ms=target_itl_ms)
+                   target_itl_ms: float | None = None, default: bool = False) -> SweepPoint:
+    """Start the server for ``budget`` (or ``target_itl_ms``, or no budget flag at all: ``default``), run
+    the workload (and the capacity search), stop it."""
+    cfg = dataclasses.replace(server_config(args, budget), target_itl_ms=target_itl_ms, default_budget=default)
     spec = server_spec(args, args.engine, cfg)
     print(f"\n=== {args.engine} budget {cfg.label}: {' '.join(spec.argv)}", flush=True)
     try:
@@ -109,7 +109,7 @@ def curve_point(p: SweepPoint, ttft_group: str, itl_group: str) -> CurvePoint | 
     return CurvePoint(
         p.label, p.label.startswith("target"), ttft.ttft.p50, ttft.ttft.p99, itl.itl.p99, itl.itl.max, total.total_throughput,
         total.output_throughput, p.engine.tokens_per_step, p.engine.busy_fraction,
-        p.capacity.rate if p.capacity else None,
+        p.capacity.rate if p.capacity else None, p.label == "default",
     )
 
 
@@ -122,6 +122,8 @@ def verdict_results(points: list[SweepPoint], ttft_group: str, itl_group: str) -
         g = p.stats.groups
         t, i = g.get(ttft_group, g["all"]), g.get(itl_group, g["all"])
         target = float(p.label.split()[1]) if p.label.startswith("target") else None
+        if p.label == "default" and p.engine is not None and p.engine.target_itl_ms:
+            target = p.engine.target_itl_ms  # the target the engine derived
         out.append(Result(p.label, target, t.ttft.p50, i.itl.p99, i.itl.p999, g["all"].total_throughput))
     return out
 
@@ -154,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     g = parser.add_argument_group("sweep")
     g.add_argument("--budgets", default="64,128,256,512,1024,2048,4096,8192,unchunked")
     g.add_argument("--targets", default="", help="comma list of --target-itl-ms values: adaptive runs (evenflow)")
+    g.add_argument("--default", action="store_true",
+                   help="also run the engine with no budget flag (evenflow: the target it derives), marked on the figure")
     g.add_argument("--reverse", action="store_true", help="run in reverse order (alternate rounds with it)")
     g.add_argument("--engine", choices=["evenflow", "vllm"], default="evenflow")
     g.add_argument("--out-dir", type=Path, default=Path("bench_results/sweep"))
@@ -171,12 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     ttft_group = "long" if args.workload == "interference" else "all"
     itl_group = "steady" if args.workload == "interference" else "all"
 
-    runs: list[tuple[int | None, float | None]] = [(budget, None) for budget in parse_budgets(args.budgets)]
-    runs += [(None, float(t)) for t in args.targets.split(",") if t.strip()]
-    points = [measure_budget(args, budget, vocab, target) for budget, target in runs[:: -1 if args.reverse else 1]]
+    runs: list[tuple[int | None, float | None, bool]] = [(b, None, False) for b in parse_budgets(args.budgets)]
+    runs += [(None, float(t), False) for t in args.targets.split(",") if t.strip()]
+    runs += [(None, None, True)] if args.default else []
+    points = [measure_budget(args, budget, vocab, target, default)
+              for budget, target, default in runs[:: -1 if args.reverse else 1]]
 
     table = summary_table(points, ttft_group, itl_group)
-    if args.targets:
+    if args.targets or args.default:
         table += "\n" + "\n".join(verdict_lines(verdict_results(points, ttft_group, itl_group)))
     print("\n" + table)
     args.out_dir.mkdir(parents=True, exist_ok=True)

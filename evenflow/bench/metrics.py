@@ -31,6 +31,7 @@ BUSY_SECONDS = ("worker_forward_seconds_total", "model_forward_seconds_total", "
 BUDGET_SUM, BUDGET_COUNT = ("token_budget_tokens_sum",), ("token_budget_tokens_count",)
 TARGET_STEPS, TARGET_WITHIN = ("target_steps_total",), ("target_steps_within_total",)
 PREDICTED_S, MEASURED_S = ("step_time_predicted_seconds_total",), ("step_time_measured_seconds_total",)
+TARGET_ITL_S = ("target_itl_seconds",)  # a gauge: the target in use at the end of the run (derived or given)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class EngineNumbers:
     mean_token_budget: float | None = None  # the adaptive budget's choices
     within_target_share: float | None = None  # of its planned steps, measured within the target
     measured_over_predicted: float | None = None
+    target_itl_ms: float | None = None  # the target in use at the end (0: a fixed budget)
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -185,4 +187,5 @@ def engine_numbers(
         mean_token_budget=ratio(BUDGET_SUM, BUDGET_COUNT),
         within_target_share=ratio(TARGET_WITHIN, TARGET_STEPS),
         measured_over_predicted=ratio(MEASURED_S, PREDICTED_S),
+        target_itl_ms=None if after is None or after.first(TARGET_ITL_S) is None else 1e3 * after.first(TARGET_ITL_S),
     )

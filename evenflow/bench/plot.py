@@ -21,6 +21,7 @@ class CurvePoint:
     tokens_per_step: float | None
     busy_fraction: float | None
     capacity: float | None = None
+    default: bool = False  # the engine run with no budget flag: drawn as a large diamond, labelled
 
 
 def plot_budget_curves(points: list[CurvePoint], title: str, ttft_of: str, itl_of: str, out: Path) -> None:
@@ -38,16 +39,20 @@ def plot_budget_curves(points: list[CurvePoint], title: str, ttft_of: str, itl_o
 
     def panel(ax, series, ylabel: str, title_text: str, log: bool = False) -> None:  # type: ignore[no-untyped-def]
         for name, ys, style in series:
-            fixed = [(xi, y) for xi, y, p in zip(x, ys, points) if y is not None and not p.adaptive]
+            fixed = [(xi, y) for xi, y, p in zip(x, ys, points) if y is not None and not p.adaptive and not p.default]
             adaptive = [(xi, y) for xi, y, p in zip(x, ys, points) if y is not None and p.adaptive]
+            default = [(xi, y) for xi, y, p in zip(x, ys, points) if y is not None and p.default]
             color = None
             if fixed:
                 color = ax.plot([f[0] for f in fixed], [f[1] for f in fixed], style, label=name)[0].get_color()
             if adaptive:
                 ax.plot([a[0] for a in adaptive], [a[1] for a in adaptive], "*", markersize=13, color=color,
                         label=None if fixed else name)
+            for xi, y in default:
+                ax.plot([xi], [y], "D", markersize=11, color=color, markeredgecolor="red", markeredgewidth=2)
+                ax.annotate("default", (xi, y), textcoords="offset points", xytext=(6, 6), color="red", fontsize=8)
         ax.set_xticks(x, labels, rotation=45)
-        ax.set_xlabel("max_num_batched_tokens (stars: --target-itl-ms)")
+        ax.set_xlabel("max_num_batched_tokens (stars: --target-itl-ms; red diamond: no flag)")
         ax.set_ylabel(ylabel)
         ax.set_title(title_text)
         if log:

@@ -41,9 +41,12 @@ class ServerConfig:
     max_num_seqs: int | None = None
     extra_args: list[str] = field(default_factory=list)
     target_itl_ms: float | None = None  # evenflow's adaptive budget; ``budget`` is then its upper bound
+    default_budget: bool = False  # no budget flag at all: the engine's default (evenflow: the derived target)
 
     @property
     def label(self) -> str:
+        if self.default_budget:
+            return "default"
         if self.target_itl_ms is not None:
             return f"target {self.target_itl_ms:g} ms"
         return "unchunked" if self.budget is None else str(self.budget)
@@ -88,11 +91,14 @@ def evenflow_argv(cfg: ServerConfig, port: int) -> list[str]:
     """``evenflow serve`` with the engine-core flags of ``cfg``."""
     argv = [sys.executable, "-m", "evenflow.frontend", "serve", "--model", str(cfg.model_dir)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype]
-    argv += ["--max-model-len", str(cfg.max_model_len), "--max-num-batched-tokens", str(cfg.effective_budget)]
-    threshold = 0 if cfg.budget is None else cfg.long_prefill_threshold
-    argv += ["--long-prefill-token-threshold", str(threshold)]
+    argv += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
+    if cfg.default_budget:
+        return argv + cfg.extra_args
+    argv += ["--max-num-batched-tokens", str(cfg.effective_budget)]
+    threshold = 0 if cfg.budget is None else cfg.long_prefill_threshold
+    argv += ["--long-prefill-token-threshold", str(threshold)]
     # Like vLLM, evenflow refuses a budget below max_num_seqs (each running request needs a token
     # of every step); cap the batch at the budget for small budgets.
     argv += ["--max-num-seqs", str(min(cfg.max_num_seqs or 256, cfg.effective_budget))]

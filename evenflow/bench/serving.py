@@ -110,6 +110,7 @@ def format_engine(result: BenchResult) -> str:
         ("engine steps", e.steps, "{:.0f}"),
         ("tokens per step", e.tokens_per_step, "{:.1f}"),
         ("model busy fraction", e.busy_fraction, "{:.3f}"),
+        ("adaptive: target at the end (ms)", e.target_itl_ms, "{:.1f}"),
         ("adaptive: mean token budget", e.mean_token_budget, "{:.1f}"),
         ("adaptive: steps within target", e.within_target_share, "{:.3f}"),
         ("adaptive: measured / predicted time", e.measured_over_predicted, "{:.3f}"),

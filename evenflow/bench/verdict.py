@@ -41,7 +41,8 @@ def verdict_lines(results: list[Result]) -> list[str]:
         assert t is not None
         meeting = sorted((r for r in results if r.target_ms is None and r.meets(t)), key=lambda r: (r.ttft_p50, -r.tok_s))
         held = "held" if run.meets(t) else "missed"
-        head = (f"target {t:g} ms: {held} (p99 {run.itl_p99:.1f}, {run.itl_p99 / t:.2f}x the target; "
+        name = f"target {t:g} ms" if run.label.startswith("target") else f"{run.label} (target {t:.1f} ms)"
+        head = (f"{name}: {held} (p99 {run.itl_p99:.1f}, {run.itl_p99 / t:.2f}x the target; "
                 f"p99.9 {run.itl_p999:.1f})")
         if not meeting:
             lines.append(f"{head}; no fixed budget meets it")

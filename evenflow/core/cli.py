@@ -15,7 +15,7 @@ from evenflow.protocol.curve import is_loopback
 from evenflow.protocol.lifeline import die_with_parent
 from evenflow.protocol.link_auth import read_secret
 
-from evenflow.core.engine_config import ConfigError, EngineConfig, build_parser, config_from_args
+from evenflow.core.engine_config import ConfigError, EngineConfig, config_from_args
 from evenflow.core.model_info import ModelInfo, read_model_info
 from evenflow.core.workers import WorkerFailure
 

@@ -15,8 +15,9 @@ def scheduler_config(cfg: EngineConfig, num_kv_blocks: int, block_size: int, max
         max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len, block_size=block_size,
         long_prefill_token_threshold=cfg.long_prefill_token_threshold, policy=cfg.scheduling_policy,
         enable_prefix_caching=cfg.enable_prefix_caching, target_itl_ms=cfg.target_itl_ms,
-        max_num_partial_prefills=cfg.max_num_partial_prefills,
-        max_long_partial_prefills=cfg.max_long_partial_prefills, speculative_config=cfg.speculative_config)
+        auto_target_itl=cfg.auto_target_itl, max_num_partial_prefills=cfg.max_num_partial_prefills,
+        max_long_partial_prefills=cfg.max_long_partial_prefills, speculative_config=cfg.speculative_config,
+        max_loras=cfg.max_loras if cfg.enable_lora else 0)
 
 
 def worker_template(cfg: EngineConfig, model_path: str, max_model_len: int) -> WorkerConfig:
@@ -27,4 +28,4 @@ def worker_template(cfg: EngineConfig, model_path: str, max_model_len: int) -> W
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
         attention_backend=cfg.attention_backend, kv_cache_memory=cfg.kv_cache_memory,
         num_kv_blocks=cfg.num_kv_blocks, load_format=cfg.load_format, num_threads=cfg.worker_threads,
-        speculative_config=cfg.speculative_config)
+        speculative_config=cfg.speculative_config, quantization=cfg.quantization, lora_config=cfg.lora_config())

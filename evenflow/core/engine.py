@@ -30,6 +30,7 @@ from evenflow.core.engine_config import EngineConfig
 from evenflow.core.engine_loop import EngineLoop
 from evenflow.core.frontend_link import ClientGone, ClientMessage, FrontendLink
 from evenflow.core.kv.events import KVEventLog
+from evenflow.core.lora_calls import LORA_METHODS, lora_of_request, lora_registry_for, lora_utility
 from evenflow.core.model_info import ModelInfo
 from evenflow.core.multi_node import NodeLayout
 from evenflow.core.request import Request
@@ -69,6 +70,7 @@ class EngineCore:
         self._loop: EngineLoop | None = None
         self._link: FrontendLink | None = None
         self._kv_events: KVEventLog | None = None  # prefix-cache changes for routing frontends
+        self.lora = lora_registry_for(cfg)  # None: LoRA off
 
     @property
     def loop(self) -> EngineLoop:
@@ -117,7 +119,7 @@ class EngineCore:
         ready = Ready(PROTOCOL_VERSION, self.info.model_name, self.info.model_path, self.max_model_len,
                       self.info.vocab_size, list(self.info.eos_token_ids), self.block_size, num_blocks,
                       self.cfg.max_num_batched_tokens, uuid.uuid4().hex[:12], self.cfg.max_frame_bytes,
-                      list(self.info.model_aliases))
+                      list(self.info.model_aliases), None if self.lora is None else self.lora.refs())
         self._link = FrontendLink(self._ctx, self.cfg.listen, ready, max_frame_bytes=self.cfg.max_frame_bytes,
                                   client_timeout=self.cfg.client_timeout, curve_keys=self.cfg.curve_keys)
         self._link.start()
@@ -252,6 +254,13 @@ class EngineCore:
         try:
             request = Request(eid, msg.prompt_token_ids, msg.sampling_params, self.info.eos_token_ids,
                               arrival_time=msg.arrival_time or None, priority=msg.priority)
+            if msg.lora_name:
+                adapter = lora_of_request(self.lora, msg.lora_name)
+                if isinstance(adapter, Error):
+                    adapter.request_id = msg.request_id
+                    link.send(identity, adapter)
+                    return
+                request.set_lora(adapter)
             sched.add_request(request)
         except ValueError as e:  # a check the IO thread does not know about: refuse this one request
             link.send(identity, Error(ERR_INVALID_REQUEST, str(e), msg.request_id))
@@ -285,13 +294,15 @@ class EngineCore:
     def _utility(self, call: UtilityCall) -> UtilityResult:
         if call.method == "get_stats":
             return UtilityResult(call.call_id, True, self.stats())
+        if call.method in LORA_METHODS:
+            return lora_utility(call, self.lora, self.scheduler)  # type: ignore[arg-type]
         if call.method == "reset_prefix_cache":
             done = self.scheduler.reset_prefix_cache()
             self._report_kv_events(self.stats(), force=True)
             return UtilityResult(call.call_id, True, done)
         return UtilityResult(call.call_id, False, None,
                              f"no utility method {call.method!r} "
-                             f"(known: get_stats, reset_prefix_cache)")
+                             f"(known: get_stats, reset_prefix_cache, {', '.join(LORA_METHODS)})")
 
     # ----------------------------------------------------------------------------- endings
 

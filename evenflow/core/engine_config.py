@@ -5,18 +5,20 @@ from __future__ import annotations
 import argparse
 import logging
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
 from evenflow.protocol import MAX_FRAME_BYTES, SpeculativeConfig, parse_speculative_config
 from evenflow.protocol.curve import is_loopback
 from evenflow.protocol.gguf_file import is_gguf_path
+from evenflow.protocol.lora import LoRAConfig, parse_lora_module, read_adapter
 from evenflow.protocol.liveness import DEFAULT_SILENCE_TIMEOUT_S
 
 from evenflow.core.step_watchdog import DEFAULT_STEP_TIMEOUT_S
 
-from evenflow.core.sched.config import DEFAULT_MAX_NUM_SEQS, SCHEDULING_POLICIES, ConfigError, check_prefill_limits, check_scheduler_limits
+from evenflow.core.sched.config import (DEFAULT_MAX_NUM_SEQS, SCHEDULING_POLICIES, ConfigError, budget_mode,
+                                        check_prefill_limits, check_scheduler_limits)
 
 __all__ = ["ConfigError", "EngineConfig", "build_parser", "config_from_args", "parse_size"]
 log = logging.getLogger("evenflow.core.engine_config")
@@ -43,6 +45,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes per worker; None: sized by the worker
     num_kv_blocks: int | None = None
     dtype: str = "auto"
+    quantization: str | None = None  # None: follows --dtype (auto: GGUF Q4 projections 4-bit where faster)
     device: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -72,9 +75,22 @@ class EngineConfig:
     dist_secret_file: str | None = None  # shared secret of every host (else $EVENFLOW_DIST_SECRET)
     # Adaptive budget and partial-prefill bounds (evenflow/core/sched/budget_controller.py, evenflow/core/sched/prefill_gate.py).
     target_itl_ms: float | None = None
+    auto_target_itl: bool = False  # set by the command line when neither budget flag is given
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     speculative_config: SpeculativeConfig | None = None  # --speculative-config JSON, validated when parsed
+    # Multi-LoRA (vLLM's flags; docs/lora.md).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    lora_modules: list[str] = field(default_factory=list)  # name=path
+
+    def lora_config(self) -> LoRAConfig | None:
+        """What the workers take (None: LoRA off)."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid value or combination."""
@@ -101,6 +117,8 @@ class EngineConfig:
         if self.worker_start_timeout <= 0 or self.client_timeout <= 0 or self.step_timeout <= 0:
             raise ConfigError("--worker-start-timeout, --client-timeout and --step-timeout must be positive")
         check_prefill_limits(self.max_num_partial_prefills, self.max_long_partial_prefills, self.target_itl_ms)
+        if self.auto_target_itl and self.target_itl_ms is not None:
+            raise ConfigError("auto_target_itl (no budget flag given) and --target-itl-ms exclude each other")
         for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -113,6 +131,7 @@ class EngineConfig:
             raise ConfigError(f"--curve-keys {self.curve_keys!r} has no engine.key_secret "
                               f"(write the keys with `evenflow keygen DIR`)")
         self._validate_nodes()
+        self._validate_lora()
         if self.speculative_config is not None and (problem := self.speculative_config.validate()):
             raise ConfigError(f"--speculative-config: {problem}")
         if not is_gguf_path(self.model) and not (Path(self.model).expanduser() / "config.json").is_file():
@@ -136,6 +155,21 @@ class EngineConfig:
                               f"got {self.master_port}")
         if (self.node_rank > 0) != self.headless:
             raise ConfigError("node 0 runs the engine-core; every other --node-rank runs `engine-core --headless`")
+
+    def _validate_lora(self) -> None:
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ConfigError("--lora-modules needs --enable-lora")
+            return
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ConfigError(f"--max-loras and --max-lora-rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})")
+        for entry in self.lora_modules:
+            try:
+                read_adapter(parse_lora_module(entry)[1], self.max_lora_rank)
+            except ValueError as e:
+                raise ConfigError(f"--lora-modules {entry}: {e}") from None
 
     def describe(self) -> str:
         """One line per setting, for the start-up log."""
@@ -162,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model", required=True, help="model folder (HuggingFace layout: config.json, *.safetensors) or a .gguf file")
     a("--listen", default=d.listen, help="ZMQ address the ROUTER binds for frontends (tcp:// or ipc://)")
     a("--served-model-name", default=None, help="model name reported to frontends (default: folder name)")
-    a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget of one step")
+    a("--max-num-batched-tokens", type=int, default=None,
+      help=f"token budget of one step; given alone, every step's fixed budget (default {d.max_num_batched_tokens}, "
+           f"then the ceiling of the adaptive budget, see --target-itl-ms)")
     a("--max-num-seqs", type=int, default=None,
       help=f"most requests running at once (default: min({DEFAULT_MAX_NUM_SEQS}, --max-num-batched-tokens))")
     a("--max-model-len", type=int, default=None, help="longest prompt+output (default: the model's limit)")
@@ -178,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
            "CUDA 90%% of the device after the weights and the largest step)")
     a("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides sizing)")
     a("--dtype", default=d.dtype, help="model dtype: auto, float32, float16, bfloat16")
+    a("--quantization", "-q", choices=("gguf", "none"), default=None,
+      help="GGUF Q4_0/Q4_1 projections: gguf keeps them 4-bit (int4 kernel), none dequantizes them to --dtype "
+           "(default: with --dtype auto keep them 4-bit where a start-up measurement finds the int4 kernel "
+           "faster; an explicit --dtype dequantizes them to it)")
     a("--device", default=d.device, help="worker device: auto, cpu, cuda")
     a("--seed", type=int, default=d.seed, help="random seed of the workers")
     a("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, help="worker processes (ranks)")
@@ -203,8 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="torch threads per worker for every step (default on CPU: a step estimated to take 15 ms or more "
            "on one thread uses every core, a shorter one leaves one free; divided by tensor-parallel-size)")
     a("--target-itl-ms", type=float, default=None,
-      help="adaptive token budget: each step carries as much prefill as keeps its predicted time (fitted online "
-           "to measured steps) within this many ms; --max-num-batched-tokens becomes the upper bound")
+      help="adaptive token budget: each step carries as much prefill as keeps the streams' p99 inter-token "
+           "latency (step times fitted online) at this many ms; --max-num-batched-tokens becomes the upper "
+           "bound; 0: off (a fixed budget). Default: with --max-num-batched-tokens given, off; without it, on, "
+           "with a target derived from the measured decode step (max(50 ms, 4x the decode step))")
     a("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
       help="when > 1: most requests with a prefill chunk in one step (vLLM V0)")
     a("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
@@ -237,6 +279,15 @@ def build_parser() -> argparse.ArgumentParser:
       help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
            '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (optional "disable_by_batch_size": N: '
            'no drafts while N or more requests run; default 16, null: never)')
+    g = p.add_argument_group("LoRA adapters (docs/lora.md)")
+    g.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters of the model")
+    g.add_argument("--max-loras", type=int, default=d.max_loras, help="most adapters in one step (worker slots)")
+    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank accepted")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in each worker's host memory (default: --max-loras)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="adapters to serve from the start: name=path of a PEFT folder; requests choose one "
+                        "by its name in the model field")
     return p
 
 
@@ -250,6 +301,17 @@ def _speculative_config(text: str) -> SpeculativeConfig:
 def config_from_args(argv: Sequence[str] | None = None) -> EngineConfig:
     """Parse the command line into a validated EngineConfig (ConfigError when invalid)."""
     ns = build_parser().parse_args(argv)
+    mode = budget_mode(ns.max_num_batched_tokens is not None, ns.target_itl_ms)
+    if ns.max_num_batched_tokens is None:
+        ns.max_num_batched_tokens = EngineConfig.max_num_batched_tokens
+    ns.auto_target_itl = mode == "auto"
+    if mode == "fixed":
+        ns.target_itl_ms = None  # --target-itl-ms 0
+    log.info("token budget: %s", {"auto": f"adaptive, target derived from the decode step, ceiling "
+                                          f"{ns.max_num_batched_tokens} tokens",
+                                  "target": f"adaptive, target {ns.target_itl_ms:g} ms, ceiling "
+                                            f"{ns.max_num_batched_tokens} tokens" if mode == "target" else "",
+                                  "fixed": f"fixed, {ns.max_num_batched_tokens} tokens a step"}[mode])
     if ns.max_num_seqs is None:
         # vLLM's 256 would make a small budget (32, 64: what docs/tuning.md recommends against
         # stalls) an error on its own; a budget of B tokens runs at most B requests anyway.

@@ -68,7 +68,7 @@ class EngineLoop:
         scheduled = False
         if len(self._in_flight) < self.depth and sched.has_unfinished_requests():
             so = sched.schedule()
-            if so.total_num_scheduled_tokens > 0:
+            if so.total_num_scheduled_tokens > 0 or so.lora_prefetch or so.lora_unloaded:  # LoRA loads ride along
                 self._send(so)
                 scheduled = True
             else:  # nothing to run: carry the bookkeeping to the next step that is sent

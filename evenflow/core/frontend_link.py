@@ -45,6 +45,7 @@ _UNICAST, _BROADCAST, _GONE_HANDLED = b"u", b"b", b"g"
 _PROBE_DELAYS_S = (0.0, 0.1, 0.5, 1.5)  # after a disconnect event, until the pipe is gone
 _POLL_MS = 100
 _CLOCK_MAX_STEP_S = 0.5  # the IO loop wakes every _POLL_MS: a longer gap is a pause of this process
+_SWEEP_S, _SWEEP_MAX_S = 0.2, 2.0  # silent clients are looked for every _SWEEP_S, or _SWEEP_MAX_S under a flood
 
 
 @dataclass
@@ -201,8 +202,10 @@ class FrontendLink:
                 if probes and min(probes) <= now:
                     probes = [t for t in probes if t > now]
                     self._probe_all(router)
-                # Frames still waiting were sent before any verdict could be fair: read them first.
-                if now - last_sweep > 0.2 and not router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                # Frames still waiting were sent before any verdict could be fair: read them first
+                # (but a steady flood from other clients must not put off the verdict for ever).
+                waiting = bool(router.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+                if now - last_sweep > (_SWEEP_MAX_S if waiting else _SWEEP_S):
                     last_sweep = now
                     self._drop_silent(router, self._clock.now())
         finally:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 from evenflow.protocol import PromptLogprobs, SamplingParams
+from evenflow.protocol.block_hash import adapter_extra_keys
+from evenflow.protocol.lora import AdapterRef
 
 
 @dataclass
@@ -146,6 +148,13 @@ class Request:
         # chunk until the first output carries them.
         self.skip_reading_prefix_cache = sampling_params.prompt_logprobs is not None
         self.prompt_logprobs: PromptLogprobs | None = None
+        # The LoRA adapter serving it (None: the base model); set with set_lora.
+        self.lora: AdapterRef | None = None
+
+    def set_lora(self, adapter: AdapterRef | None) -> None:
+        """Serve it with ``adapter``: its identity enters every block hash (other KV than the base's)."""
+        self.lora = adapter
+        self.cache_extra_keys = adapter_extra_keys(adapter.identity if adapter is not None else None)
 
     def add_prompt_logprobs(self, rows: PromptLogprobs) -> None:
         if self.prompt_logprobs is None:  # a copy: the step's output is not ours to grow

@@ -52,7 +52,8 @@ async def _run_frontend(args: argparse.Namespace) -> None:
         chat_template=args.chat_template, tokenizer=args.tokenizer, log_stats=args.log_stats,
         connect_timeout=args.connect_timeout, frontend_name=args.frontend_name,
         metrics_dir=os.environ.get("EVENFLOW_METRICS_DIR"), max_body_bytes=args.max_request_body_bytes,
-        curve_keys=args.curve_keys, engine_timeout=args.engine_timeout, http_limits=http_limits(args),
+        curve_keys=args.curve_keys, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        engine_timeout=args.engine_timeout, http_limits=http_limits(args),
         timeout_keep_alive=args.timeout_keep_alive, stuck_reader_timeout=args.stuck_reader_timeout,
     )
     log = logging.getLogger("evenflow.frontend")

@@ -11,6 +11,8 @@ from evenflow.frontend.clients.backpressure import DEFAULT_STUCK_READER_TIMEOUT_
 from evenflow.frontend.clients.engine_client import DEAD_AFTER_S
 from evenflow.frontend.clients.router import ROUTING_POLICIES, RoutingConfig
 
+RUNTIME_LORA_ENV = "EVENFLOW_ALLOW_RUNTIME_LORA_UPDATING"
+
 
 def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (default: loopback only)")
@@ -23,6 +25,10 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the engine's)")
     p.add_argument("--chat-template", default=None, help="jinja2 chat template file (overrides the model's)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the engine's model folder)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   default=os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                        f"VLLM_ALLOW_RUNTIME_LORA_UPDATING; default: ${RUNTIME_LORA_ENV}); needs --api-key")
     p.add_argument("--engine-timeout", type=_positive, default=DEAD_AFTER_S,
                    help="seconds of engine-core silence (of this process's running time: its own pauses do not "
                         "count) after which its requests fail; an engine-core that exits is noticed at once by "

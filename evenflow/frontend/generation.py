@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from evenflow.protocol import RequestOutput, SamplingParams
+from evenflow.protocol import AdapterRef, RequestOutput, SamplingParams
 
 from evenflow.frontend.metrics import FrontendMetrics, RequestTimer
 from evenflow.frontend.outputs import ChoiceAssembler, ChoiceDelta
@@ -61,9 +61,11 @@ class Generation:
         metrics: FrontendMetrics | None = None,
         arrival_time: float | None = None,
         timeout_s: float = 0.0,
+        lora: AdapterRef | None = None,
     ) -> None:
         self.client = client
         self.timeout_s = timeout_s
+        self.lora = lora  # the LoRA adapter of every job (None: the base model)
         self.metrics = metrics
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.plans = plans
@@ -148,7 +150,9 @@ class Generation:
     def _submit(self, job: ChoiceJob) -> Any:
         if self.metrics is not None:
             job.timer = self.metrics.on_request_start(len(job.prompt_token_ids), self.arrival_time)
-        kwargs = {"timeout_s": self.timeout_s} if self.timeout_s > 0 else {}
+        kwargs: dict[str, Any] = {"timeout_s": self.timeout_s} if self.timeout_s > 0 else {}
+        if self.lora is not None:
+            kwargs["lora"] = self.lora
         return self.client.generate(job.engine_id, job.prompt_token_ids, job.params,
                                     priority=self.plans[job.prompt_index].priority, arrival_time=self.arrival_time,
                                     **kwargs)

@@ -30,10 +30,13 @@ from typing import Any, Sequence
 
 import msgspec
 
+from evenflow.protocol import AdapterRef, LoRALoad
 from evenflow.protocol import SamplingParams as EngineSamplingParams
+from evenflow.protocol.lora import LoRARequest
 from evenflow.protocol.validation import check_context_length, check_prompt_token_ids, check_sampling_params
 
 from evenflow.frontend.generation import Generation
+from evenflow.frontend.lora_adapters import LoRAAdapters
 from evenflow.frontend.choices import ChoicePlan, fan_out, stop_strings
 from evenflow.frontend.structured_outputs import offline_structured_outputs
 from evenflow.frontend.chat_template import render_chat
@@ -102,6 +105,9 @@ def engine_args_to_flags(engine_args: dict[str, Any]) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if isinstance(value, dict):  # e.g. speculative_config={...}: the flag takes JSON
             value = json.dumps(value)
+        if isinstance(value, (list, tuple)):  # e.g. lora_modules=["name=path", ...]
+            flags += [flag, *map(str, value)] if value else []
+            continue
         flags += [flag] if value is True else [flag, str(value)]
     return flags
 
@@ -145,6 +151,7 @@ class LLM:
         try:
             self.ready = self._connect(startup_timeout)
             self.tokenizer = Tokenizer.from_dir(tokenizer or self.ready.model_path, chat_template=chat_template)
+            self._lora = LoRAAdapters.from_ready(self.ready)
         except BaseException:
             self.shutdown()
             raise
@@ -170,10 +177,15 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt (text or token ids); one RequestOutput per prompt, in order."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Complete every prompt (text or token ids); one RequestOutput per prompt, in order.
+
+        ``lora_request``: a LoRA adapter for every prompt, or one (or None) per prompt; the engine
+        needs ``enable_lora=True``. An adapter is loaded on first use (again when its path changes).
+        """
         texts, id_lists = self._normalize_prompts(prompts)
-        return self._run(texts, id_lists, sampling_params, use_tqdm)
+        return self._run(texts, id_lists, sampling_params, use_tqdm, lora_request)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -196,14 +208,21 @@ class LLM:
         return texts, [next(str_ids) if isinstance(p, str) else list(p) for p in prompts]
 
     def _run(self, texts: list[str | None], id_lists: list[list[int]], sampling_params: Any,
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, lora_request: Any = None) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, EngineSamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(id_lists)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(id_lists):
                 raise ValueError(f"{len(params_list)} sampling params for {len(id_lists)} prompts")
-        gens = [self._generation(ids, sp) for ids, sp in zip(id_lists, params_list)]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(id_lists)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(id_lists):
+                raise ValueError(f"{len(lora_list)} lora requests for {len(id_lists)} prompts")
+        adapters = [None if lr is None else self._adapter(lr) for lr in lora_list]
+        gens = [self._generation(ids, sp, adapter) for ids, sp, adapter in zip(id_lists, params_list, adapters)]
         progress = Progress(len(gens), enabled=use_tqdm and len(gens) >= 8)
         self._client.run(self._run_all(gens, progress))
         progress.close()
@@ -217,7 +236,26 @@ class LLM:
                                          prompt_logprob_entries(self.tokenizer, rows) if rows is not None else None))
         return results
 
-    def _generation(self, prompt_ids: list[int], sp: EngineSamplingParams) -> Generation:
+    def _adapter(self, lora_request: LoRARequest) -> AdapterRef:
+        """The engine's adapter for ``lora_request``, loading it when its name or path is new."""
+        loaded = self._lora.get(lora_request.lora_name)
+        path = str(Path(lora_request.lora_path).expanduser().resolve()) if lora_request.lora_path else ""
+        if loaded is not None and (not path or loaded.path == path):
+            return loaded
+        if not self._lora.enabled:
+            raise ValueError("lora_request needs an engine with LoRA on: LLM(..., enable_lora=True)")
+        if not path:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} is not loaded and has no lora_path")
+        call = self._client.async_client.call_utility(
+            "load_lora_adapter", lora=LoRALoad(lora_request.lora_name, path, load_inplace=loaded is not None))
+        try:
+            self._lora.replace(self._client.run(call).lora_adapters)
+        except Exception as e:
+            raise ValueError(getattr(e, "message", "") or str(e)) from None
+        return self._lora.by_name[lora_request.lora_name]
+
+    def _generation(self, prompt_ids: list[int], sp: EngineSamplingParams, lora: AdapterRef | None = None
+                    ) -> Generation:
         n = getattr(sp, "n", 1)
         engine = sp.engine_params() if isinstance(sp, SamplingParams) else sp
         max_len = self.ready.max_model_len
@@ -235,7 +273,7 @@ class LLM:
             engine = msgspec.structs.replace(engine, structured_outputs=offline_structured_outputs(engine.structured_outputs))
         plan = ChoicePlan(prompt_ids, fan_out(engine, n), stop_strings(getattr(sp, "stop", None)),
                           getattr(sp, "include_stop_str_in_output", False), getattr(sp, "skip_special_tokens", True), 0)
-        return Generation(self._client.async_client, self.tokenizer, f"llm{next(self._ids)}", [plan])
+        return Generation(self._client.async_client, self.tokenizer, f"llm{next(self._ids)}", [plan], lora=lora)
 
     async def _run_all(self, gens: list[Generation], progress: Progress) -> None:
         async def one(gen: Generation) -> None:

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 from evenflow.protocol.lifeline import child_env
 
 from evenflow.frontend.default_model import RANDOM_DEMO, choose_demo, is_demo_request
-from evenflow.frontend.flags import add_frontend_flags
+from evenflow.frontend.flags import RUNTIME_LORA_ENV, add_frontend_flags
 from evenflow.frontend.reuse_port import bind_reuseport
 from evenflow.frontend.supervisor import Child, Supervisor
 
@@ -126,6 +126,8 @@ def serve_main(argv: Sequence[str]) -> int:
     env = child_env(dict(os.environ, EVENFLOW_METRICS_DIR=metrics_dir))
     if args.api_key:  # through the environment: a command line is visible to every user in `ps`
         env["EVENFLOW_API_KEY"] = args.api_key
+    if args.allow_runtime_lora_updating:
+        env[RUNTIME_LORA_ENV] = "1"
     py = sys.executable
     engines: list[Child] = []
     for i, (addr, engine_env) in enumerate(zip(engine_addrs, engine_envs(env, dp))):

@@ -56,3 +56,13 @@ def extend_block_hashes(
         start = index * block_size
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
         block_hashes.append(parent)
+
+
+def adapter_extra_keys(adapter_identity: str | None) -> tuple[object, ...] | None:
+    """The extra keys of every block of a request served by a LoRA adapter (None: the base model).
+
+    The adapter's identity (a digest of its weights, evenflow/protocol/lora.py), never its name: the
+    same prompt under two adapters, or under one name reloaded with new weights, has other KV.
+    Engine-cores and prefix-routing frontends both call this, so their hashes agree.
+    """
+    return ("lora", adapter_identity) if adapter_identity else None

@@ -20,6 +20,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Struct
 
+from evenflow.protocol.lora import AdapterRef, LoRAConfig
 from evenflow.protocol.speculative import SpeculativeConfig
 
 # The wire's integers are int64 (evenflow/protocol/README.md): msgpack can also carry uint64, which a
@@ -123,6 +124,7 @@ class NewRequestData(Struct, array_like=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit: these tokens' KV is already in block_ids
+    lora: AdapterRef | None = None  # the LoRA adapter serving it (None: the base model)
 
 
 class CachedRequestData(Struct, array_like=True):
@@ -159,6 +161,10 @@ class SchedulerOutput(Struct, tag="sched", array_like=True):
     # each, bit j of word w allowing token 32*w + j (llguidance's and xgrammar's layout).
     structured_output_req_ids: list[str] = []
     grammar_bitmask: bytes = b""
+    # LoRA: adapters the workers should load into host memory now, off the step path (they report
+    # back in ModelRunnerOutput.lora_loaded); identities of unloaded adapters they may drop.
+    lora_prefetch: list[AdapterRef] = []
+    lora_unloaded: list[str] = []
 
 
 class ModelRunnerOutput(Struct, tag="mro", array_like=True):
@@ -185,6 +191,12 @@ class ModelRunnerOutput(Struct, tag="mro", array_like=True):
     wait_s: float = 0.0
     # Per request, how many drafts this step verified (<= its draft slots; None: no speculation).
     num_draft_tokens: list[int] | None = None
+    # LoRA adapters (identities) rank 0 finished loading into host memory, failed to load (with
+    # the reason, aligned), or evicted from it since its previous output.
+    lora_loaded: list[str] = []
+    lora_failed: list[str] = []
+    lora_failed_reasons: list[str] = []
+    lora_evicted: list[str] = []
     # The prompt rows this step computed, for requests with SamplingParams.prompt_logprobs.
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
 
@@ -213,6 +225,8 @@ class WorkerConfig(Struct, forbid_unknown_fields=True):
     # Links over TCP to an engine-core on another host: CURVE keys from $EVENFLOW_DIST_SECRET.
     secure_link: bool = False
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None  # None: LoRA off (--enable-lora not given)
+    quantization: str | None = None  # GGUF 4-bit projections: None (auto), "gguf" (keep), "none" (dequantize)
 
 
 class WorkerReady(Struct, tag="worker_ready", array_like=True):
@@ -278,6 +292,8 @@ class AddRequest(Struct, tag="request", array_like=True, forbid_unknown_fields=T
     # Seconds the engine may hold this request before aborting it with ``request_timeout``
     # (counted from its arrival at the engine); 0 = the engine's --request-timeout (0: none).
     timeout_s: float = 0.0
+    # A LoRA adapter loaded on the engine (Ready.lora_adapters, or a load_lora_adapter call); "": the base model.
+    lora_name: str = ""
 
 
 class Abort(Struct, tag="abort", array_like=True, forbid_unknown_fields=True):
@@ -298,11 +314,21 @@ class Heartbeat(Struct, tag="heartbeat", array_like=True):
     """Liveness ping; the engine answers with an (empty) Outputs carrying fresh stats."""
 
 
+class LoRALoad(Struct, array_like=True, forbid_unknown_fields=True):
+    """Arguments of ``load_lora_adapter`` (``lora_path`` set) and ``unload_lora_adapter``."""
+
+    lora_name: str
+    lora_path: str = ""
+    load_inplace: bool = False  # replace an adapter of that name (new weights: a new identity)
+
+
 class UtilityCall(Struct, tag="utility", array_like=True, forbid_unknown_fields=True):
-    """Call an engine method by name: ``reset_prefix_cache``, ``get_stats``."""
+    """Call an engine method by name: ``reset_prefix_cache``, ``get_stats``, ``list_lora_adapters``,
+    ``load_lora_adapter`` / ``unload_lora_adapter`` (with ``lora``)."""
 
     call_id: Int64
     method: str
+    lora: LoRALoad | None = None
 
 
 FrontendToEngine = Hello | AddRequest | Abort | Hold | Heartbeat | UtilityCall
@@ -324,6 +350,8 @@ class Ready(Struct, tag="ready", array_like=True):
     max_frame_bytes: int = 0  # the engine's --max-frame-bytes; 0 = unknown (an older engine)
     # Other names the model answers to (the folder's base name when no --served-model-name was given).
     model_aliases: list[str] = []
+    # LoRA adapters served (by name in AddRequest.lora_name); None: LoRA off (--enable-lora not given).
+    lora_adapters: list[AdapterRef] | None = None
 
 
 class RequestOutput(Struct, array_like=True, omit_defaults=True):
@@ -429,6 +457,8 @@ class UtilityResult(Struct, tag="utility_result", array_like=True):
     ok: bool
     result: SchedulerStats | bool | None = None
     message: str = ""
+    # The LoRA calls: every adapter served after the call.
+    lora_adapters: list[AdapterRef] = []
 
 
 EngineToFrontend = Ready | Outputs | Error | UtilityResult
@@ -445,6 +475,7 @@ ERR_ENGINE_SHUTDOWN = "engine_shutdown"
 ERR_UNKNOWN_METHOD = "unknown_method"
 ERR_OVERLOADED = "overloaded"  # refused by an admission limit; the message starts with the limit's name
 ERR_REQUEST_TIMEOUT = "request_timeout"  # the request outlived its deadline and was aborted
+ERR_UNKNOWN_LORA_ADAPTER = "unknown_lora_adapter"  # lora_name names no adapter the engine serves (now)
 
 
 def to_json(obj: Struct) -> bytes:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from evenflow.protocol import NewRequestData, SchedulerOutput
+from evenflow.protocol import AdapterRef, NewRequestData, SchedulerOutput
 from evenflow.worker.attention.base import AttentionInputs
 from evenflow.worker.sampling_metadata import RequestSamplingState
 from evenflow.worker.staging import HostStaging
@@ -33,6 +33,7 @@ class RequestState:
     # Drafts proposed after this request's last sample, kept in its row right after its known
     # tokens (see spec_decode.py); the next step verifies as many as the engine gave slots for.
     num_drafts: int = 0
+    lora: AdapterRef | None = None  # its LoRA adapter (None: the base model)
 
     @property
     def num_tokens(self) -> int:
@@ -109,7 +110,7 @@ class PersistentBatch:
         outputs: list[int] = []
         prompt = list(new.prompt_token_ids)
         sampling = RequestSamplingState.create(new.sampling_params, prompt, outputs, self.device)
-        state = RequestState(new.req_id, prompt, outputs, sampling, new.num_computed_tokens)
+        state = RequestState(new.req_id, prompt, outputs, sampling, new.num_computed_tokens, lora=new.lora)
         self.requests[new.req_id] = state
         self._write_row(state, new.block_ids)
         return state

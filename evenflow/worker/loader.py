@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 from evenflow.protocol.gguf_file import is_gguf_path
-from evenflow.worker.gguf_weights import iter_gguf_tensors
+from evenflow.worker.gguf_weights import dequantize_raw, iter_gguf_raw_tensors
+from evenflow.worker.int4_weights import check_quantization, offer_int4, prepare_int4
 from evenflow.worker.models.linear import cpu_has_fast_path
 from evenflow.worker.models.llama import LlamaModel, WeightSpec
 from safetensors import safe_open
@@ -112,8 +113,10 @@ def _check_complete(specs: dict[str, WeightSpec], seen: set[str], source: str | 
         raise ValueError(f"checkpoint {source} is missing tensor {missing[0]!r}{more}")
 
 
-def load_gguf(model: LlamaModel, path: str | Path) -> None:
-    """Fill ``model`` from a GGUF file, each tensor dequantized to the model's dtype on the way."""
+def load_gguf(model: LlamaModel, path: str | Path, quantization: str | None = None) -> None:
+    """Fill ``model`` from a GGUF file, each tensor dequantized to the model's dtype on the way, but
+    the Q4 projections ``--quantization`` keeps 4-bit (evenflow/worker/int4_weights.py)."""
+    int4_params = prepare_int4(model, quantization)
     specs = model.weight_specs()
     params = dict(model.named_parameters())
     dtype = model.embed.dtype
@@ -121,17 +124,23 @@ def load_gguf(model: LlamaModel, path: str | Path) -> None:
     rank, world = model.tp.rank, model.tp.world_size
     t0 = time.perf_counter()
     with torch.no_grad():
-        for name, tensor in iter_gguf_tensors(path, model.cfg, dtype):
+        for raw in iter_gguf_raw_tensors(path, model.cfg):
+            name = raw.name
             spec = specs.get(name)
             if spec is None:
                 if name == "lm_head.weight" and model.lm_head is None:
                     continue
                 raise ValueError(f"unexpected tensor {name!r} in {path} for {model.cfg.architecture}")
-            _copy_part(params[spec.param], spec, _shard_slice(tensor, list(tensor.shape), spec, rank, world, name))
             seen.add(name)
+            if offer_int4(model, int4_params, spec, raw.qtype, raw.data, raw.shape):
+                continue
+            tensor = dequantize_raw(raw, dtype)
+            _copy_part(params[spec.param], spec, _shard_slice(tensor, list(tensor.shape), spec, rank, world, name))
     _check_complete(specs, seen, path)
-    log.info("loaded %s in %.1fs (dequantized to %s)", path, time.perf_counter() - t0, dtype)
     model.finish_loading()
+    kept = len(model.int4_param_names())
+    log.info("loaded %s in %.1fs (dequantized to %s%s)", path, time.perf_counter() - t0, dtype,
+             f"; {kept} projections kept 4-bit" if kept else "")
 
 
 def load_dummy(model: LlamaModel, seed: int) -> None:
@@ -146,11 +155,16 @@ def load_dummy(model: LlamaModel, seed: int) -> None:
     model.finish_loading()
 
 
-def load_weights(model: LlamaModel, model_dir: str | Path, load_format: str, seed: int) -> None:
+def load_weights(model: LlamaModel, model_dir: str | Path, load_format: str, seed: int,
+                 quantization: str | None = None) -> None:
     """Dispatch on ``load_format``: ``auto`` (a GGUF file or a safetensors folder), ``safetensors`` or ``dummy``."""
     if load_format == "auto" and is_gguf_path(model_dir):
-        load_gguf(model, model_dir)
-    elif load_format in ("auto", "safetensors"):
+        load_gguf(model, model_dir, quantization)
+        return
+    check_quantization(quantization)
+    if quantization == "gguf":
+        raise ValueError(f"--quantization gguf keeps a GGUF file's 4-bit weights; {model_dir} is not a .gguf file")
+    if load_format in ("auto", "safetensors"):
         load_safetensors(model, model_dir)
     elif load_format == "dummy":
         load_dummy(model, seed)

@@ -28,7 +28,9 @@ from evenflow.worker.grammar_mask import apply_grammar_bitmask
 from evenflow.worker.kv_cache import (
     allocate_kv_cache, blocks_usable, bytes_per_block, cpu_kv_cache_size, cuda_kv_cache_size, measure_cuda_memory,
 )
+from evenflow.worker.int4_weights import effective_quantization
 from evenflow.worker.loader import load_weights, resolve_dtype
+from evenflow.worker.lora.pool import build_lora_pool
 from evenflow.worker.models.registry import build_model
 from evenflow.worker.parallel import destroy_tensor_parallel, init_tensor_parallel
 from evenflow.worker.prompt_logprobs import PromptLogprobsTracker, logits_rows, split_prompt_logits
@@ -88,7 +90,8 @@ class ModelRunner:
         self.threads = ThreadSetter(plan_step_threads(self.device, config.world_size, config.num_threads),
                                     self.num_params * torch.empty(0, dtype=self.torch_dtype).element_size(),
                                     process_run_queue_wait)
-        load_weights(self.model, config.model, config.load_format, config.seed)
+        load_weights(self.model, config.model, config.load_format, config.seed,
+                     effective_quantization(config.quantization, config.dtype))
         self.model.eval()
         cfg = self.model_config
         self.attn = backend_cls(self.model.num_heads, self.model.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,
@@ -101,6 +104,7 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         spec = config.speculative_config
         self.drafter = NgramDrafter(spec, config.max_model_len) if spec is not None else None
+        self.lora = build_lora_pool(config.lora_config, self.model, self.tp, self.torch_dtype, self.device)
         self.prompt_logprobs = PromptLogprobsTracker()
 
     # ------------------------------------------------------------------ KV cache
@@ -192,10 +196,15 @@ class ModelRunner:
         so = scheduler_output
         t0 = time.perf_counter()
         self.batch.update(so)
+        idle = so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens
         self.prompt_logprobs.update(so)
-        if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
-            return ModelRunnerOutput(so.step_id, [], []) if self.tp.rank == 0 else None
+        if self.lora is not None:
+            self.lora.take_step_orders(so, wait=idle)  # an idle step holds nobody up: wait for the loads
+        if idle:
+            return self._lora_report(ModelRunnerOutput(so.step_id, [], [])) if self.tp.rank == 0 else None
         inputs = self.batch.prepare_inputs(so)
+        lora = None if self.lora is None else self.lora.prepare_step(
+            [s.lora for s in inputs.requests], np.diff(inputs.attn.query_start_loc_np))
         self.threads.before_step(self._step_flops(inputs), inputs.attn.num_tokens)
         plan = self.attn.plan(inputs.attn)
         prompt_plan = self.prompt_logprobs.plan(inputs)  # its rows ride after the sampling rows
@@ -203,7 +212,7 @@ class ModelRunner:
         self.forward_timer.start()
         with torch.inference_mode():
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attn, plan,
-                                logits_rows(inputs, prompt_plan))
+                                logits_rows(inputs, prompt_plan), lora)
         self.forward_timer.stop()
         logits, prompt_logprobs = split_prompt_logits(logits, inputs, prompt_plan, self.tp.rank == 0)
         sample_mask = inputs.sample_mask
@@ -233,6 +242,15 @@ class ModelRunner:
         out = self._output(so.step_id, inputs, targets, num_emitted, logprobs, proposals, t1 - t0, forward_s,
                            max(t3 - t1 - forward_s, 0.0))
         out.prompt_logprobs = prompt_logprobs
+        return self._lora_report(out)
+
+    def _lora_report(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Fill the adapter loads, failures and evictions since the previous output."""
+        if self.lora is not None:
+            loaded, failed, evicted = self.lora.host.take_report()
+            out.lora_loaded, out.lora_evicted = loaded, evicted
+            out.lora_failed = [identity for identity, _ in failed]
+            out.lora_failed_reasons = [reason for _, reason in failed]
         return out
 
     def _step_flops(self, inputs: StepInputs) -> float:
@@ -293,4 +311,6 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Release the cache and leave the process group."""
         self.kv_caches = []
+        if self.lora is not None:
+            self.lora.host.shutdown()
         destroy_tensor_parallel()

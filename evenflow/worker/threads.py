@@ -7,7 +7,7 @@ A CPU worker shares its cores with the engine-core, the frontends and their sock
   waits for it. A long step (a prefill chunk, a big model's decode) nearly halves with every core.
   So by default a step whose single-thread time is estimated above ``LONG_STEP_SECONDS`` runs on
   every usable core, a shorter one leaves a core free. One run on 2 cores, tiny model,
-  interference at budget 256 (docs/tuning.md, "Worker threads"): ITL p99 66.5 ms on 1 thread,
+  interference at budget 256 (docs/results/tuning_history.md, "Worker threads"): ITL p99 66.5 ms on 1 thread,
   42.0 on 2, 45.2 with this plan, which also had the highest throughput.
 * All cores is a bet that they are free. When another process keeps a core busy, each of the
   step's parallel regions waits a scheduler time slice for the descheduled thread: in one run with

@@ -31,9 +31,26 @@ def test_defaults_and_flags(model: str) -> None:
 def test_adaptive_budget_and_partial_prefill_flags(model: str) -> None:
     cfg = config_from_args(["--model", model])
     assert (cfg.target_itl_ms, cfg.max_num_partial_prefills, cfg.max_long_partial_prefills) == (None, 1, 1)
+    assert cfg.auto_target_itl and cfg.max_num_batched_tokens == 2048  # no flag: derived target, 2048 its ceiling
     cfg = config_from_args(["--model", model, "--target-itl-ms", "40", "--max-num-partial-prefills", "4",
                             "--max-long-partial-prefills", "2"])
     assert (cfg.target_itl_ms, cfg.max_num_partial_prefills, cfg.max_long_partial_prefills) == (40.0, 4, 2)
+
+
+@pytest.mark.parametrize("flags, mode", [
+    ([], (True, None, 2048)),  # neither flag: the derived target under vLLM's CPU budget
+    (["--max-num-batched-tokens", "512"], (False, None, 512)),  # the budget alone: fixed, as in vLLM
+    (["--max-num-batched-tokens", "512", "--target-itl-ms", "40"], (False, 40.0, 512)),  # a target, its ceiling
+    (["--target-itl-ms", "40"], (False, 40.0, 2048)),
+    (["--target-itl-ms", "0"], (False, None, 2048)),  # 0: off, the fixed default budget
+])
+def test_budget_modes(model: str, flags: list[str], mode: tuple[bool, float | None, int],
+                      caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="evenflow.core.engine_config"):
+        cfg = config_from_args(["--model", model, *flags])
+    assert (cfg.auto_target_itl, cfg.target_itl_ms, cfg.max_num_batched_tokens) == mode
+    said = {True: "adaptive, target derived", False: "adaptive, target 40 ms" if mode[1] else "fixed, "}[mode[0]]
+    assert f"token budget: {said}" in caplog.text  # the start-up log names the mode
 
 
 def test_max_num_seqs_defaults_to_the_budget_when_smaller(model: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -65,7 +82,7 @@ def test_parse_size() -> None:
     (["--block-size", "24"], "power of two"),
     (["--tensor-parallel-size", "0"], "tensor-parallel-size"),
     (["--long-prefill-token-threshold", "-1"], "long-prefill"),
-    (["--target-itl-ms", "0"], "--target-itl-ms"),
+    (["--target-itl-ms", "-5"], "--target-itl-ms"),
     (["--max-num-partial-prefills", "2", "--max-long-partial-prefills", "3"], "--max-long-partial-prefills"),
     (["--max-model-len", "0"], "--max-model-len"),
     (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from evenflow.frontend.api.limits import MAX_CHOICES, MAX_JSON_DEPTH, MAX_PROMPTS, json_depth
+from evenflow.frontend.api.limits import MAX_CHAT_MESSAGES, MAX_CHOICES, MAX_JSON_DEPTH, MAX_PROMPTS, json_depth
 from evenflow.frontend.api.server import ServerConfig, build_app, connect_context
 from evenflow.frontend.choices import MAX_STOP_STRING_CHARS
 from evenflow.frontend.tokenizer import Tokenizer
@@ -67,29 +66,30 @@ def test_hostile_bodies_get_400s_naming_their_limit_without_stalling_the_loop(
         ("/v1/completions", deep),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": '
          + b"[" * 5000 + b"]" * 5000 + b"}}"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 100_000, "max_tokens": 1}),
     ]
     results = _run(demo_model_dir, demo_tokenizer, cases)
     expected = [f"limit of {MAX_PROMPTS}", f"limit of {MAX_PROMPTS}", f"limit of {MAX_CHOICES}",
-                f"limit of {MAX_STOP_STRING_CHARS}", f"limit of {MAX_JSON_DEPTH}", f"limit of {MAX_JSON_DEPTH}"]
+                f"limit of {MAX_STOP_STRING_CHARS}", f"limit of {MAX_JSON_DEPTH}", f"limit of {MAX_JSON_DEPTH}",
+                f"limit of {MAX_CHAT_MESSAGES}"]
     for (r, gap), words in zip(results, expected):
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
         assert gap < 2.0, (words, gap)  # the machine may be shared: the stalls this guards against were 2.6-15 s
     assert not any(rec.exc_info for rec in caplog.records)  # no traceback
 
 
-def test_large_requests_within_limits_are_prepared_off_the_loop(demo_model_dir: Path,
-                                                                demo_tokenizer: Tokenizer) -> None:
+def test_large_requests_at_the_limits_are_served(demo_model_dir: Path, demo_tokenizer: Tokenizer) -> None:
     prompts = ["count to ten, then back to one: " * 8] * MAX_PROMPTS
-    messages = [{"role": "user", "content": ""}] * 20_000
+    messages = [{"role": "user", "content": ""}] * MAX_CHAT_MESSAGES
     cases = [
         ("/v1/completions", {"prompt": prompts, "max_tokens": 1}),
         ("/v1/chat/completions", {"messages": messages, "max_tokens": 1}),
     ]
     results = _run(demo_model_dir, demo_tokenizer, cases)
+    # Served at the limits (how long the loop waited is not asserted: on the loop these took ~0.1 s
+    # unloaded, so a shared machine's noise would decide; test_prepare.py checks the thread hops).
     assert results[0][0].status_code == 200 and len(results[0][0].json()["choices"]) == MAX_PROMPTS
     assert results[1][0].status_code in (200, 400), results[1][0].text  # too long for the context: 400
-    for _, gap in results:
-        assert gap < 0.5, [g for _, g in results]
 
 
 def test_json_depth_ignores_brackets_inside_strings() -> None:

@@ -84,12 +84,12 @@ def test_seed_outside_int64_built_in_python_is_caught_by_the_validation() -> Non
 
 
 @pytest.mark.parametrize("frame, tag, span, got", [
-    (["request", "r"], "request", "2 to 6", 1),
-    (["request"], "request", "2 to 6", 0),
-    (["request", "r", [1], {}, 0, 0.0, 0.0, 9], "request", "2 to 6", 7),
+    (["request", "r"], "request", "2 to 7", 1),
+    (["request"], "request", "2 to 7", 0),
+    (["request", "r", [1], {}, 0, 0.0, 0.0, "", 9], "request", "2 to 7", 8),
     (["hello"], "hello", "1 to 2", 0),
     (["hello", 1, "x", 3], "hello", "1 to 2", 3),
-    (["utility", 1], "utility", "2", 1),
+    (["utility", 1], "utility", "2 to 3", 1),
     (["abort", [], []], "abort", "1", 2),
 ])
 def test_arity_errors_count_the_elements_after_the_tag_for_too_few_and_too_many(

@@ -33,6 +33,9 @@ SYSTEM = ("You are a terse assistant running on a small laptop. Answer every que
           "words that a child would understand, and never apologise.")
 # Real logits differ from transformers' by kernel rounding only (float32 both); 2e-3 in log space.
 LOGPROB_TOLERANCE = 2e-3
+# The first test also waits for the model loads of its fixtures (runner and transformers); on a
+# shared 2-core machine that alone can pass the suite's 300 s default.
+pytestmark = pytest.mark.timeout(900)
 PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
                  "required": ["name", "age"], "additionalProperties": False}
 

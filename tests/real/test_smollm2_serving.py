@@ -13,7 +13,9 @@ import pytest
 from evenflow.frontend.tokenizer import Tokenizer
 from tests.frontend.live import free_port, start, stop, wait_for
 
-pytestmark = pytest.mark.slow
+# The first test also waits for the model loads of its fixtures; on a shared 2-core machine that
+# alone can pass the suite's 300 s default.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -20,6 +20,8 @@ TEXTS = [
     "<repo_name>evenflow<file_sep>README.md",
     "",
 ]
+# The first test waits for transformers' tokenizer build from the GGUF (seconds, more when shared).
+pytestmark = pytest.mark.timeout(900)
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Sky colour?"}],

@@ -10,7 +10,7 @@ from evenflow.core.request import Request
 from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.sched.scheduler import Scheduler
 from evenflow.core.sched.structured_output import StructuredOutputManager
-from evenflow.protocol import ModelRunnerOutput, PromptLogprobs, SamplingParams, SchedulerOutput, WorkerConfig
+from evenflow.protocol import AdapterRef, ModelRunnerOutput, PromptLogprobs, SamplingParams, SchedulerOutput, WorkerConfig
 from evenflow.worker.in_process import InProcessExecutor
 from evenflow.worker.runner import ModelRunner
 
@@ -25,6 +25,7 @@ class Job:
     arrive_step: int = 0
     params: SamplingParams | None = None
     eos_token_ids: tuple[int, ...] = ()  # as the engine passes the model's; () never stops on EOS
+    lora: AdapterRef | None = None  # its LoRA adapter (the scheduler needs max_loras in scheduler_overrides)
 
 
 @dataclass
@@ -110,6 +111,7 @@ def run_jobs(runner: ModelRunner, jobs: list[Job], num_blocks: int, budget: int 
         while pending and pending[0].arrive_step <= step:
             j = pending.pop(0)
             request = Request(j.req_id, j.prompt, j.params or greedy(j.max_tokens), j.eos_token_ids)
+            request.set_lora(j.lora)
             sched.add_request(request)
             if request.grammar is not None:
                 request.grammar.compiled.result(timeout=60)

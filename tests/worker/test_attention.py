@@ -125,8 +125,11 @@ def test_torch_backend_uses_the_fused_cpu_kernel_for_every_shape() -> None:
         backend.forward(q, k, v, caches, plan)
     names = [e.name for e in prof.events()]
     assert "aten::_scaled_dot_product_attention_math" not in names
+    # A chunk over a cached context is two calls (the context, unmasked; its own tokens, causal).
+    split = sum(c.block_ids is not None for c in plan.chunks)
+    assert split and not any(c.mask is not None for c in plan.chunks)  # no [q, context] mask on CPU
     assert names.count("aten::_scaled_dot_product_flash_attention_for_cpu") == len(plan.decode_groups) + len(
-        plan.chunks)
+        plan.chunks) + split
 
 
 def test_decode_groups_are_contiguous_and_bounded() -> None:

@@ -33,7 +33,9 @@ def test_pick_linear_by_dtype_and_device(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(linear_module, "_cpu_flags", lambda: {"avx2"})
     assert isinstance(pick_linear(torch.bfloat16, CPU), UpcastCpuLinear)
     monkeypatch.setattr(linear_module, "_cpu_flags", lambda: {"avx512_bf16"})
-    assert type(pick_linear(torch.bfloat16, CPU)) is TorchLinear
+    native_bf16 = PackedCpuLinear if PackedCpuLinear.works(torch.bfloat16) else TorchLinear
+    assert type(pick_linear(torch.bfloat16, CPU)) is native_bf16
+    assert type(pick_linear(torch.bfloat16, CPU, packed=False)) is TorchLinear
     if torch.backends.mkldnn.is_available():  # the CPU wheels CI installs have oneDNN
         assert isinstance(pick_linear(torch.float32, CPU), PackedCpuLinear)
 

@@ -47,6 +47,20 @@ def check_prefill_limits(max_num_partial_prefills: int, max_long_partial_prefill
         raise ConfigError(f"--target-itl-ms must be positive, got {target_itl_ms}")
 
 
+def budget_mode(max_num_batched_tokens_given: bool, target_itl_ms: float | None) -> str:
+    """How the step's token budget is set, from the flags a user gave (vLLM's meaning of
+    --max-num-batched-tokens kept: given alone, it is the fixed budget):
+
+    * ``auto``: neither flag: the adaptive budget with a target derived from the measured decode
+      step, the budget flag's default as its ceiling;
+    * ``target``: ``--target-itl-ms X``, X != 0: the adaptive budget held at X;
+    * ``fixed``: ``--max-num-batched-tokens`` alone, or ``--target-itl-ms 0``: every step's budget.
+    """
+    if target_itl_ms is None:
+        return "fixed" if max_num_batched_tokens_given else "auto"
+    return "fixed" if target_itl_ms == 0 else "target"  # a negative one is refused by check_prefill_limits
+
+
 @dataclass
 class SchedulerConfig:
     """Everything the scheduler and its KV cache manager need to know.
@@ -65,8 +79,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     speculative_config: SpeculativeConfig | None = None  # None: no drafts
     target_itl_ms: float | None = None  # None: a fixed budget; else max_num_batched_tokens is its upper bound
+    auto_target_itl: bool = False  # a target derived from the measured decode step (auto_target.py)
     max_num_partial_prefills: int = 1  # > 1: bounds on prompts mid-prefill (vLLM V0), see prefill_gate.py
     max_long_partial_prefills: int = 1
+    max_loras: int = 0  # 0: LoRA off; else the most adapters among running requests (--max-loras)
 
     @property
     def effective_long_prefill_threshold(self) -> int:
@@ -82,6 +98,8 @@ class SchedulerConfig:
         check_scheduler_limits(self.max_num_batched_tokens, self.max_num_seqs, self.block_size,
                                self.long_prefill_token_threshold, self.policy, self.max_model_len)
         check_prefill_limits(self.max_num_partial_prefills, self.max_long_partial_prefills, self.target_itl_ms)
+        if self.auto_target_itl and self.target_itl_ms is not None:
+            raise ConfigError("a derived target (auto_target_itl) and --target-itl-ms exclude each other")
         # A request that may grow to max_model_len must fit in the pool on its own; otherwise it
         # would preempt everybody and still never finish.
         blocks_per_max_len = -(-self.max_model_len // self.block_size)

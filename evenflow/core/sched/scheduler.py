@@ -43,6 +43,7 @@ from evenflow.core.sched.prefill_gate import PrefillGate
 from evenflow.core.sched.step_plan import StepPlan
 from evenflow.core.request import FCFSQueue, PriorityQueue, Request, RequestStatus, WaitingQueue
 from evenflow.core.sched.draft_slots import SpecDecodeCounters, num_draft_slots
+from evenflow.core.sched.lora_slots import LoRASlots
 from evenflow.core.sched.structured_output import StructuredOutputManager
 
 
@@ -70,7 +71,8 @@ class Scheduler:
         self._schedule_s = 0.0
         self._update_s = 0.0
         self._spec_counters = SpecDecodeCounters()
-        self._grammar_failures: list[Error] = []  # for take_grammar_failures
+        self._grammar_failures: list[Error] = []  # for take_grammar_failures (LoRA load failures too)
+        self.lora_slots = LoRASlots(config.max_loras) if config.max_loras else None  # None: LoRA off
 
     @property
     def num_running(self) -> int:
@@ -91,6 +93,8 @@ class Scheduler:
             raise ValueError(
                 f"prompt of {request.num_prompt_tokens} tokens: must be 1..max_model_len={self.config.max_model_len}"
             )
+        if request.lora is not None and self.lora_slots is None:
+            raise ValueError("this engine-core does not serve LoRA adapters (start it with --enable-lora)")
         if request.use_structured_output:
             if self.structured_output is None:
                 raise ValueError("this engine-core does not serve structured output")
@@ -247,10 +251,13 @@ class Scheduler:
 
     def _ready_to_admit(self, request: Request) -> bool:
         """Whether a waiting request may be admitted now; False: it keeps its place (or it has
-        finished: its grammar failed to compile). Hook: LoRA's adapter-slot limit goes here."""
+        finished: its grammar failed to compile)."""
         if request.held or (request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request)):
             return False
-        return request.num_output_placeholders == 0  # else a token of an in-flight step is owed to it
+        if request.num_output_placeholders:
+            return False  # a token of an in-flight step is owed to it
+        # Its adapter must be loaded, and may not be one more than max_loras among the running.
+        return self.lora_slots is None or self.lora_slots.admits(request, self.running)
 
     def _computed_blocks(self, request: Request) -> ComputedBlocks:
         """The prefix a waiting request need not compute (it trusts only the cache).
@@ -268,7 +275,8 @@ class Scheduler:
             request.num_cached_tokens = num_computed
             step.new_reqs.append(NewRequestData(
                 req_id=req_id, prompt_token_ids=list(request.prompt_token_ids),
-                sampling_params=request.sampling_params, block_ids=block_ids, num_computed_tokens=num_computed))
+                sampling_params=request.sampling_params, block_ids=block_ids, num_computed_tokens=num_computed,
+                lora=request.lora))
         else:
             step.cached_reqs.append(CachedRequestData(
                 req_id=req_id, new_block_ids=block_ids, num_computed_tokens=num_computed,
@@ -279,8 +287,8 @@ class Scheduler:
 
     def _close_step(self, step: StepPlan) -> SchedulerOutput:
         """Phase 3: the SchedulerOutput, with the step's extras (the grammar masks of the requests
-        that sample; the controller records what it allowed). Hook: LoRA's adapters and a KV
-        offload's load/store orders ride along here."""
+        that sample; the controller records what it allowed; the workers' LoRA load orders).
+        Hook: a KV offload's load/store orders ride along here."""
         max_tokens = self.config.max_num_batched_tokens
         total = max_tokens - step.token_budget
         if total:
@@ -299,6 +307,8 @@ class Scheduler:
         )
         if self.budget_controller is not None:
             self.budget_controller.record(output, step.gate)
+        if self.lora_slots is not None:
+            output.lora_prefetch, output.lora_unloaded = self.lora_slots.take_orders()
         if step.structured:
             grammars = self.structured_output
             assert grammars is not None  # add_request refuses grammars without one
@@ -344,6 +354,16 @@ class Scheduler:
         elif problem == "":
             request.status = RequestStatus.WAITING
         return problem == ""
+
+    def _fail_lora_requests(self) -> None:
+        """Finish the waiting requests whose adapter failed to load; their clients hear why."""
+        failed, self.lora_slots.failed = self.lora_slots.failed, {}  # type: ignore[union-attr]
+        for request in [r for r in self.requests.values() if r.lora is not None and r.lora.identity in failed]:
+            if request.status != RequestStatus.RUNNING:
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                self._grammar_failures.append(Error(
+                    ERR_INVALID_REQUEST, f"LoRA adapter {request.lora.name!r} failed to load: "  # type: ignore[union-attr]
+                    f"{failed[request.lora.identity]}", request.request_id))  # type: ignore[union-attr]
 
     def take_grammar_failures(self) -> list[Error]:
         """``invalid_request`` errors (engine request ids) of the grammars that failed to compile."""
@@ -392,6 +412,10 @@ class Scheduler:
         requests = self.requests
         outputs: list[RequestOutput] = []
         any_running_finished = False
+        if self.lora_slots is not None:
+            self.lora_slots.observe(model_runner_output)
+            if self.lora_slots.failed:
+                self._fail_lora_requests()
         if model_runner_output.prompt_logprobs:
             for req_id, rows in model_runner_output.prompt_logprobs.items():
                 request = requests.get(req_id)

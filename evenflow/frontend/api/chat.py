@@ -35,7 +35,7 @@ from evenflow.frontend.api.sse import DONE, SSEResponse, run_until_disconnect, s
 async def create_chat_completion(ctx: ServingContext, body: bytes, receive: Receive,
                                 timeout_s: float = 0.0) -> Response | SSEResponse:
     req: ChatCompletionRequest = await off_loop_if_large(len(body), decode_body, body, ChatCompletionRequest)
-    ctx.check_model(req.model)
+    lora = await ctx.resolve_model(req.model)
     if req.echo:
         raise bad_request("echo is not supported by evenflow for chat completions", "echo")
     check_unsupported(req)
@@ -49,7 +49,7 @@ async def create_chat_completion(ctx: ServingContext, body: bytes, receive: Rece
     def prepare() -> Generation:
         plan = plan_choices(req, prompt_ids, ctx.max_model_len, ctx.vocab_size, logprobs, max_tokens=max_tokens,
                             structured_outputs=structured)
-        return Generation(ctx.client, ctx.tokenizer, request_id, [plan], ctx.metrics, timeout_s=timeout_s)
+        return Generation(ctx.client, ctx.tokenizer, request_id, [plan], ctx.metrics, timeout_s=timeout_s, lora=lora)
 
     gen = await off_loop_if_large(len(body) + req.n * OFF_LOOP_CHARS // 16, prepare)
     top_n = logprobs or 0

@@ -33,7 +33,7 @@ async def create_completion(ctx: ServingContext, body: bytes, receive: Receive,
                            timeout_s: float = 0.0) -> Response | SSEResponse:
     # Every step of preparation runs off the event loop when the body is large (limits.py bounds it).
     req: CompletionRequest = await off_loop_if_large(len(body), decode_body, body, CompletionRequest)
-    ctx.check_model(req.model)
+    lora = await ctx.resolve_model(req.model)
     check_unsupported(req)
     structured = await structured_outputs_async(req)
     prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, ctx.max_model_len)
@@ -45,7 +45,7 @@ async def create_completion(ctx: ServingContext, body: bytes, receive: Receive,
         plans = [plan_choices(req, ids, ctx.max_model_len, ctx.vocab_size, req.logprobs,
                               default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, structured_outputs=structured)
                  for ids in prompts]
-        return Generation(ctx.client, ctx.tokenizer, request_id, plans, ctx.metrics, timeout_s=timeout_s)
+        return Generation(ctx.client, ctx.tokenizer, request_id, plans, ctx.metrics, timeout_s=timeout_s, lora=lora)
 
     gen = await off_loop_if_large(len(body) + len(prompts) * req.n * OFF_LOOP_CHARS // 16, prepare)
     echo = [_prompt_text(ctx, req, i, ids) for i, ids in enumerate(prompts)] if req.echo else None

@@ -13,8 +13,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.types import Receive
 
-from evenflow.protocol import ERR_OVERLOADED, ERR_REQUEST_TIMEOUT
+from evenflow.protocol import ERR_OVERLOADED, ERR_REQUEST_TIMEOUT, ERR_UNKNOWN_LORA_ADAPTER, AdapterRef
 
+from evenflow.frontend.lora_adapters import LoRAAdapters
 from evenflow.frontend.metrics import FrontendMetrics
 from evenflow.frontend.tokenizer import Tokenizer
 from evenflow.frontend.api.errors import APIError, field_from_decode_error
@@ -37,6 +38,7 @@ class ServingContext:
     max_body_bytes: int = 0  # set from ServerConfig (DEFAULT_MAX_BODY_BYTES); 0 = the default
     created: int = field(default_factory=lambda: int(time.time()))
     model_aliases: tuple[str, ...] = ()  # other names requests may use (the folder's base name)
+    lora: LoRAAdapters = field(default_factory=LoRAAdapters)  # adapters, chosen by the model field
 
     @property
     def served_names(self) -> list[str]:
@@ -45,6 +47,18 @@ class ServingContext:
 
     def check_model(self, requested: str | None) -> None:
         check_model(requested, self.served_names)
+
+    async def resolve_model(self, requested: str | None) -> AdapterRef | None:
+        """The LoRA adapter the ``model`` field names (None: the base model); 404 for an unknown name."""
+        if not requested or requested in self.served_names:
+            return None
+        adapter = self.lora.get(requested)
+        if adapter is None and self.lora.enabled:
+            await self.lora.refresh(self.client)  # loaded through another frontend since
+            adapter = self.lora.get(requested)
+        if adapter is None:
+            check_model(requested, self.served_names + self.lora.names())
+        return adapter
 
 
 # A body larger than this is refused with 413 before it is read whole: a 1M-token prompt as text is ~4 MiB.
@@ -97,6 +111,8 @@ def engine_error_to_api(exc: BaseException) -> APIError:
     message = getattr(exc, "message", "") or str(exc) or type(exc).__name__
     if code in ("invalid_request", "duplicate_request_id"):
         return APIError(400, message)
+    if code == ERR_UNKNOWN_LORA_ADAPTER:  # unloaded since this frontend last heard of it
+        return APIError(404, message, "model")
     if code == ERR_OVERLOADED:  # the engine's message starts with the limit's name
         return APIError(503, f"the engine is overloaded: {message}",
                         headers={"Retry-After": str(RETRY_AFTER_OVERLOADED_S)}, rejected=message.split(":")[0])

@@ -14,6 +14,7 @@ from evenflow.frontend.api.errors import APIError
 MAX_JSON_DEPTH = 64  # nesting of arrays/objects in a body; OpenAI's bodies need fewer than 10
 MAX_PROMPTS = 1024  # prompts in one /v1/completions body
 MAX_CHOICES = 1024  # engine requests of one API request: prompts x n
+MAX_CHAT_MESSAGES = 4096  # messages of one chat request; the template's cost grows with each
 
 _CHUNK = 1 << 20  # bytes scanned at once (bounds the scan's temporary arrays)
 
@@ -47,6 +48,12 @@ def check_json_depth(body: bytes) -> None:
 def check_num_prompts(count: int) -> None:
     if count > MAX_PROMPTS:
         raise APIError(400, f"prompt holds {count} prompts, over the limit of {MAX_PROMPTS} per request", "prompt")
+
+
+def check_num_messages(count: int) -> None:
+    if count > MAX_CHAT_MESSAGES:
+        raise APIError(400, f"messages holds {count} messages, over the limit of {MAX_CHAT_MESSAGES} per request",
+                       "messages")
 
 
 def check_num_choices(num_prompts: int, n: int) -> None:

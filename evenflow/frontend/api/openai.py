@@ -133,6 +133,14 @@ class TokenizeRequest(Struct, kw_only=True):
     continue_final_message: bool = False
 
 
+class LoadLoRAAdapterRequest(Struct, kw_only=True):
+    """vLLM's /v1/load_lora_adapter body (``lora_path`` unused by /v1/unload_lora_adapter)."""
+
+    lora_name: str
+    lora_path: str = ""
+    load_inplace: bool = False
+
+
 class DetokenizeRequest(Struct, kw_only=True):
     tokens: list[int]
     model: str | None = None
@@ -230,6 +238,7 @@ class ModelCard(Struct):
     object: str = "model"
     owned_by: str = "evenflow"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(Struct):

@@ -19,7 +19,7 @@ from evenflow.frontend.chat_template import ChatTemplateError, content_text, ren
 from evenflow.frontend.choices import ChoicePlan, fan_out, stop_strings
 from evenflow.frontend.tokenizer import Tokenizer
 from evenflow.frontend.api.errors import APIError, bad_request
-from evenflow.frontend.api.limits import check_num_prompts
+from evenflow.frontend.api.limits import check_num_messages, check_num_prompts
 from evenflow.frontend.api.openai import ChatCompletionRequest, ChatMessage, _SamplingFields
 
 MAX_N = 128
@@ -64,6 +64,8 @@ def completion_prompts(prompt: str | list[Any], tokenizer: Tokenizer, add_specia
 async def completion_prompts_async(prompt: str | list[Any], tokenizer: Tokenizer,
                                    add_special_tokens: bool = True) -> list[list[int]]:
     """``completion_prompts``, off the event loop for a large prompt."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        check_num_prompts(len(prompt))  # before sizing them, on the loop
     return await off_loop_if_large(_prompt_size(prompt), completion_prompts, prompt, tokenizer, add_special_tokens)
 
 
@@ -118,6 +120,7 @@ async def chat_prompt_async(req: ChatCompletionRequest | Any, tokenizer: Tokeniz
                             messages: list[ChatMessage], add_special_tokens: bool = False) -> list[int]:
     """``chat_prompt``, off the event loop when the messages are large or many (the template's cost
     grows with the count of messages, even empty ones)."""
+    check_num_messages(len(messages))
     if len(messages) > OFF_LOOP_MESSAGES:
         return await asyncio.to_thread(chat_prompt, req, tokenizer, messages, add_special_tokens)
     size = sum(_content_size(m.content) for m in messages)

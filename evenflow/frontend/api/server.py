@@ -36,6 +36,8 @@ from evenflow.frontend.clients.backpressure import DEFAULT_STUCK_READER_TIMEOUT_
 from evenflow.frontend.api.openai import DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, encode_json
 from evenflow.frontend.api.prepare import CHARS_PER_TOKEN, chat_prompt_async, off_loop_if_large
 from evenflow.frontend.api.sse import ClientDisconnected
+from evenflow.frontend.api.lora_routes import LORA_ROUTES, lora_model_cards
+from evenflow.frontend.lora_adapters import LoRAAdapters
 
 logger = logging.getLogger("evenflow.frontend")
 
@@ -61,6 +63,7 @@ class ServerConfig:
     # Data parallel: every engine-core's address (more than one: requests are routed among them).
     engine_addresses: list[str] | None = None
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter (API key needed)
     engine_timeout: float | None = None  # None: DEAD_AFTER_S (evenflow/frontend/clients/engine_client.py)
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     stuck_reader_timeout: float = DEFAULT_STUCK_READER_TIMEOUT_S
@@ -119,6 +122,8 @@ async def _chat(ctx: ServingContext, request: Request) -> Any:
 
 async def _models(ctx: ServingContext, request: Request) -> Response:
     cards = [ModelCard(name, ctx.created, ctx.max_model_len, root=ctx.model_root) for name in ctx.served_names]
+    await ctx.lora.refresh(ctx.client)  # another frontend may have loaded or unloaded one
+    cards += lora_model_cards(ctx)
     return _json(ModelList(cards))
 
 
@@ -203,7 +208,7 @@ async def connect_context(config: ServerConfig, client: Any = None) -> ServingCo
                               config.frontend_name)
     return ServingContext(client, tokenizer, name, ready.max_model_len, ready.vocab_size, metrics,
                           api_key=config.api_key, model_root=ready.model_path, model_aliases=aliases,
-                          max_body_bytes=config.max_body_bytes)
+                          max_body_bytes=config.max_body_bytes, lora=LoRAAdapters.from_ready(ready))
 
 
 def metrics_model_label(served_name: str) -> str:
@@ -257,6 +262,11 @@ def build_app(config: ServerConfig, context: Callable[[], Awaitable[ServingConte
         Route("/health", _endpoint(_health, auth=False), methods=["GET"]),
         Route("/metrics", _endpoint(_metrics, auth=False), methods=["GET"]),
     ]
+    if config.allow_runtime_lora_updating:  # as vLLM: the routes exist only when asked for
+        if not config.api_key:
+            raise ValueError("--allow-runtime-lora-updating needs --api-key: anyone who can reach the port "
+                             "could otherwise load files from this host as adapters")
+        routes += [Route(path, _endpoint(handler), methods=["POST"]) for path, handler in LORA_ROUTES]
     return Starlette(routes=routes, lifespan=lifespan)
 
 

@@ -16,9 +16,10 @@ import logging
 from typing import AsyncIterator
 
 from evenflow.protocol import (
-    ERR_DUPLICATE_ID, Outputs, Ready, RequestOutput, SamplingParams, SchedulerStats, UtilityResult,
+    ERR_DUPLICATE_ID, Outputs, Ready, RequestOutput, SamplingParams, SchedulerStats, UtilityResult, LoRALoad,
 )
-from evenflow.protocol.block_hash import extend_block_hashes
+from evenflow.protocol.block_hash import adapter_extra_keys, extend_block_hashes
+from evenflow.protocol.lora import AdapterRef
 
 from evenflow.frontend.clients.backpressure import DEFAULT_STUCK_READER_TIMEOUT_S
 from evenflow.frontend.clients.engine_client import EngineClient
@@ -29,6 +30,15 @@ log = logging.getLogger("evenflow.frontend.clients.data_parallel")
 
 # Ready fields every engine-core behind one frontend must agree on (the frontend serves one model).
 _SAME_MODEL = ("model_name", "model_path", "max_model_len", "vocab_size", "eos_token_ids", "block_size")
+
+
+def route_hashes(prompt_token_ids: list[int], block_size: int, lora: AdapterRef | None) -> list[bytes]:
+    """The block hashes a prompt will have in an engine-core (its adapter's identity included)."""
+    hashes: list[bytes] = []
+    # As the engine: full blocks only, and never the last token (it is always recomputed).
+    extend_block_hashes(hashes, prompt_token_ids, (len(prompt_token_ids) - 1) // block_size, block_size,
+                        adapter_extra_keys(lora.identity if lora is not None else None))
+    return hashes
 
 
 def sum_stats(snapshots: list[SchedulerStats]) -> SchedulerStats:
@@ -115,17 +125,19 @@ class DataParallelClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        priority: int = 0, arrival_time: float | None = None,
-                       timeout_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+                       timeout_s: float = 0.0, lora: AdapterRef | None = None) -> AsyncIterator[RequestOutput]:
         """Route the request to one engine-core and stream its deltas (see EngineClient.generate).
 
         If that engine-core dies before the request's first output, the request is sent once more,
         with the same id, to another one that serves: the client sees a slower success."""
         if request_id in self._owner:
             raise EngineError(ERR_DUPLICATE_ID, f"request id {request_id!r} is already live", request_id)
-        deadline = {"timeout_s": timeout_s} if timeout_s > 0 else {}
+        deadline: dict = {"timeout_s": timeout_s} if timeout_s > 0 else {}
+        if lora is not None:
+            deadline["lora"] = lora
         excluded: set[int] = set()
         while True:
-            engine = self._route_request(request_id, prompt_token_ids, excluded)
+            engine = self._route_request(request_id, prompt_token_ids, excluded, lora)
             inner = self.clients[engine].generate(request_id, prompt_token_ids, sampling_params, priority,
                                                   arrival_time, **deadline)
             got_output = False
@@ -146,8 +158,9 @@ class DataParallelClient:
                 self._owner.pop(request_id, None)
                 await inner.aclose()  # an early stop aborts the request in its engine-core
 
-    def _route_request(self, request_id: str, prompt_token_ids: list[int], excluded: set[int]) -> int:
-        decision, hashes = self._route(prompt_token_ids, excluded)
+    def _route_request(self, request_id: str, prompt_token_ids: list[int], excluded: set[int],
+                       lora: AdapterRef | None = None) -> int:
+        decision, hashes = self._route(prompt_token_ids, excluded, lora)
         assert self.router is not None
         self.router.on_routed(decision.engine, hashes)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
@@ -163,13 +176,14 @@ class DataParallelClient:
         for engine, ids in by_engine.items():
             await self.clients[engine].abort(ids)
 
-    async def call_utility(self, method: str, timeout: float = 30.0) -> UtilityResult:
+    async def call_utility(self, method: str, timeout: float = 30.0, lora: LoRALoad | None = None) -> UtilityResult:
         """Call ``method`` on every reachable engine-core. ``get_stats`` returns the totals (and
         refreshes ``engine_stats()``); it succeeds while at least one engine answers."""
         live = [i for i, c in enumerate(self.clients) if c.connected]
         if not live:
             raise self._unreachable()
-        results = await asyncio.gather(*(self.clients[i].call_utility(method, timeout) for i in live),
+        extra = {"lora": lora} if lora is not None else {}
+        results = await asyncio.gather(*(self.clients[i].call_utility(method, timeout, **extra) for i in live),
                                        return_exceptions=True)
         answers = {i: r for i, r in zip(live, results) if isinstance(r, UtilityResult)}
         if not answers:
@@ -181,14 +195,15 @@ class DataParallelClient:
             return UtilityResult(0, True, self.stats)
         ok = all(r.ok for r in answers.values()) and len(answers) == len(self.clients)
         return UtilityResult(0, ok, ok, "" if ok else f"{len(self.clients) - len(answers)} engine-core(s) "
-                                                      "did not answer")
+                                                      "did not answer", next(iter(answers.values())).lora_adapters)
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
 
     # ----------------------------------------------------------------------------- internals
 
-    def _route(self, prompt_token_ids: list[int], excluded: set[int] | frozenset[int] = frozenset()) -> tuple[Decision, list[bytes]]:
+    def _route(self, prompt_token_ids: list[int], excluded: set[int] | frozenset[int] = frozenset(),
+               lora: AdapterRef | None = None) -> tuple[Decision, list[bytes]]:
         assert self.router is not None and self.ready is not None, "call connect() first"
         # A client that noticed its engine's death (a closed connection) is not connected: it leaves
         # routing at once, and comes back when its engine-core answers Ready again.
@@ -197,11 +212,7 @@ class DataParallelClient:
             raise self._unreachable()
         for i in candidates:
             self._notice_restart(i)
-        hashes: list[bytes] = []
-        if self.routing.policy == "prefix":
-            # As the engine: full blocks only, and never the last token (it is always recomputed).
-            block_size = self.ready.block_size
-            extend_block_hashes(hashes, prompt_token_ids, (len(prompt_token_ids) - 1) // block_size, block_size)
+        hashes = route_hashes(prompt_token_ids, self.ready.block_size, lora) if self.routing.policy == "prefix" else []
         return self.router.choose(hashes, candidates), hashes
 
     def _notice_restart(self, engine: int) -> None:

@@ -30,7 +30,7 @@ from evenflow.protocol import (
     ERR_CLIENT_DROPPED, ERR_DUPLICATE_ID, ERR_INVALID_REQUEST, ERR_NOT_READY, ERR_REQUEST_TIMEOUT, ERR_UNKNOWN_METHOD,
     PROTOCOL_VERSION, Abort, AddRequest, Hold,
     MAX_FRAME_BYTES, Codec, DecodeError, EngineToFrontend, Error, Heartbeat, Hello, Outputs, Ready, RequestOutput, SamplingParams,
-    SchedulerStats, UtilityCall, UtilityResult,
+    SchedulerStats, UtilityCall, UtilityResult, AdapterRef, LoRALoad,
 )
 
 from evenflow.protocol.curve import connect_curve
@@ -157,10 +157,11 @@ class EngineClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        priority: int = 0, arrival_time: float | None = None,
-                       timeout_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+                       timeout_s: float = 0.0, lora: AdapterRef | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request; yield its deltas until one has ``finish_reason`` set.
 
         ``timeout_s`` > 0: the engine aborts the request after that long (``request_timeout``).
+        ``lora``: the engine's LoRA adapter to serve it with (None: the base model).
 
         Raises EngineError for an Error about this request, a request too large for the engine's
         frame limit (``invalid_request``), or a fatal one. Stopping early (``aclose()``, ``break``,
@@ -174,7 +175,7 @@ class EngineClient:
             raise EngineError(ERR_DUPLICATE_ID, f"request id {request_id!r} is already live", request_id)
         frame = self._codec.encode(AddRequest(request_id, list(prompt_token_ids), sampling_params, priority,
                                               arrival_time if arrival_time is not None else time.time(),
-                                              timeout_s))
+                                              timeout_s, lora.name if lora is not None else ""))
         limit = self.ready.max_frame_bytes
         if 0 < limit < len(frame):
             # The engine would refuse it with a bad_frame Error that carries no request id.
@@ -210,15 +211,15 @@ class EngineClient:
         if self._sock is not None and self._fatal is None:
             self._send(Abort(list(request_ids)))
 
-    async def call_utility(self, method: str, timeout: float = 30.0) -> UtilityResult:
-        """Call an engine method by name (``get_stats``, ``reset_prefix_cache``)."""
+    async def call_utility(self, method: str, timeout: float = 30.0, lora: LoRALoad | None = None) -> UtilityResult:
+        """Call an engine method by name (``get_stats``, ``reset_prefix_cache``, the LoRA ones with ``lora``)."""
         if self._fatal is not None:
             raise self._fatal
         call_id = next(self._call_ids)
         fut: asyncio.Future[UtilityResult] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
-            self._send(UtilityCall(call_id, method))
+            self._send(UtilityCall(call_id, method, lora))
             result = await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(call_id, None)

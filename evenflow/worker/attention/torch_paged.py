@@ -10,8 +10,12 @@ SDPA per prefill chunk.
   so that each group's gathered K/V stays in cache. GQA needs no K/V repetition: the query is viewed as
   [B, Hkv, G, D], the G heads sharing a KV head acting as G "query positions".
 * Prefill chunks with no earlier context attend to their own fresh K/V, causally (no gather).
-* Chunks that continue a prompt (chunked prefill, prefix-cache hit) gather their context from the
-  cache and use a bottom-right causal mask.
+* Chunks that continue a prompt (chunked prefill, prefix-cache hit), on CPU: attention over the cached
+  context (every key visible: no mask) and over the chunk's own fresh K/V (causal), merged by their
+  log-sum-exps. A [q, context] mask grew with the context (built per step, read by every layer),
+  and SDPA's GQA repeats K/V per query head; unmasked, the context part views the G query heads that
+  share a KV head as G x q query rows of that head and reads each gathered key once for all of them.
+  Elsewhere (the portable reference) they gather their context and use a bottom-right causal mask.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ class _ChunkPlan:
 
     q_start: int
     q_end: int
-    context_len: int
+    context_len: int  # split path: the cached tokens before the chunk; masked path: cached + chunk
     block_ids: torch.Tensor | None  # [num_blocks] long; None when the chunk has no earlier context
-    mask: torch.Tensor | None  # [q_len, context_len] additive (0 / -inf)
+    mask: torch.Tensor | None  # [q_len, context_len] additive (0 / -inf); None on the split path
 
 
 @dataclass
@@ -98,6 +102,11 @@ class TorchPagedAttention(AttentionBackend):
             if context_len == q_len:
                 chunks.append(_ChunkPlan(start, end, context_len, None, None))
                 continue
+            if device.type == "cpu":  # the split path: the cached context alone, no mask
+                cached = context_len - q_len
+                block_ids = inputs.block_table[i, : -(-cached // bs)].to(torch.long)
+                chunks.append(_ChunkPlan(start, end, cached, block_ids, None))
+                continue
             num_blocks = -(-context_len // bs)
             block_ids = inputs.block_table[i, :num_blocks].to(torch.long)
             q_pos = torch.arange(context_len - q_len, context_len, device=device)
@@ -136,9 +145,35 @@ class TorchPagedAttention(AttentionBackend):
                 kc = k[c.q_start : c.q_end].transpose(0, 1)[None]
                 vc = v[c.q_start : c.q_end].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True)
+            elif c.mask is None:
+                o = self._split_chunk(qc, k[c.q_start : c.q_end], v[c.q_start : c.q_end], kv_cache, c)
             else:
                 kc = k_cache.index_select(0, c.block_ids).view(-1, hkv, d)[: c.context_len].transpose(0, 1)[None]
                 vc = v_cache.index_select(0, c.block_ids).view(-1, hkv, d)[: c.context_len].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, scale=self.scale, enable_gqa=True)
             out[c.q_start : c.q_end] = o[0].transpose(0, 1).reshape(c.q_end - c.q_start, self.num_heads * d)
         return out
+
+    def _split_chunk(self, qc: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: KVCache,
+                     c: _ChunkPlan) -> torch.Tensor:
+        """A chunk after ``c.context_len`` cached tokens: qc [1, H, n, D], k/v_new [n, Hkv, D] -> [1, H, n, D]."""
+        hkv, d = self.num_kv_heads, self.head_dim
+        n = qc.shape[2]
+        group = self.num_heads // hkv
+        k_cache, v_cache = kv_cache
+        kc = k_cache.index_select(0, c.block_ids).view(-1, hkv, d)[: c.context_len].transpose(0, 1)[None]
+        vc = v_cache.index_select(0, c.block_ids).view(-1, hkv, d)[: c.context_len].transpose(0, 1)[None]
+        # Heads h = kv * G + g: [1, Hkv, G * n, D], every row of a KV head against the same keys.
+        grouped = qc.reshape(1, hkv, group * n, d)
+        o_ctx, lse_ctx = _flash_cpu(grouped, kc, vc, 0.0, False, scale=self.scale)
+        o_ctx, lse_ctx = o_ctx.reshape(1, self.num_heads, n, d), lse_ctx.reshape(1, self.num_heads, n, 1)
+        o_new, lse_new = _flash_cpu(qc, k_new.transpose(0, 1)[None], v_new.transpose(0, 1)[None], 0.0, True,
+                                    scale=self.scale)
+        # Softmax over both key sets = each part weighted by its share of the total exp-sum.
+        w_ctx = torch.sigmoid(lse_ctx - lse_new.reshape(1, self.num_heads, n, 1)).to(o_ctx.dtype)
+        return o_new + w_ctx * (o_ctx - o_new)
+
+
+# PyTorch's fused CPU attention, which also returns each query's log-sum-exp (F.scaled_dot_product_attention
+# dispatches to it on CPU but keeps the log-sum-exp to itself). GQA with fewer KV heads is native.
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -8,16 +8,24 @@ RMSNorm. Projections are fused (qkv, gate_up) and sharded for tensor parallelism
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from evenflow.worker.attention.base import AttentionBackend, KVCache
 from evenflow.worker.config_reader import ModelConfig
+from evenflow.worker.lora.pool import LoRAStep
+from evenflow.worker.models.int4_linear import Int4CpuLinear, int4_fits, int4_plan
 from evenflow.worker.models.layers import RotaryTable, apply_rotary, rms_norm, rms_norm_heads
-from evenflow.worker.models.linear import pick_linear
+from evenflow.worker.models.linear import (
+    CastLinear, PackedCpuLinear, TorchLinear, UpcastCpuLinear, cpu_has_fast_path, emulated_slowdown, pick_linear,
+)
+from evenflow.worker.models.q4_blocks import Int4Weight, Q4Rows, concat_rows, pack
 from evenflow.worker.parallel import TensorParallel
 from torch import nn
+
+log = logging.getLogger("evenflow.worker.llama")
 
 
 @dataclass(frozen=True)
@@ -33,11 +41,11 @@ class WeightSpec:
 class LayerLinears:
     """One layer's projection weights as the linear kernel wants them (see models/linear.py)."""
 
-    qkv: torch.Tensor
+    qkv: torch.Tensor | Int4Weight
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    o: torch.Tensor | Int4Weight
+    gate_up: torch.Tensor | Int4Weight
+    down: torch.Tensor | Int4Weight
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -100,6 +108,12 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryTable(cfg.head_dim, max(max_model_len, 1), cfg.rope_theta, cfg.rope_scaling, dtype,
                                   device)
         self.linear = pick_linear(dtype, device)
+        self.head_linear = self.linear  # the LM head's kernel (bfloat16 beside int4 projections)
+        if isinstance(self.linear, UpcastCpuLinear):
+            slow = emulated_slowdown(dtype, (2 * self.intermediate, cfg.hidden_size))
+            log.warning("--dtype %s on a CPU without native %s (no avx512_bf16/amx_bf16): a projection takes "
+                        "%.1fx float32's time at 1 row, %.1fx at 64 rows (measured); --dtype float32 is faster here",
+                        str(dtype)[6:], str(dtype)[6:], *slow)
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         # Qwen3: one weight row per head over the q and k heads together, so one norm call per layer.
@@ -107,6 +121,9 @@ class LlamaModel(nn.Module):
         # Filled by finish_loading: the weights in the linear kernel's own layout.
         self._linears: list[LayerLinears] = []
         self._head: torch.Tensor | None = None
+        # 4-bit rows the loader kept (param name -> row offset -> rows), packed by finish_loading.
+        self._int4_parts: dict[str, dict[int, Q4Rows]] = {}
+        self.int4_required = False  # --quantization gguf: 4-bit even where the measurement says it is slower
 
     # ---------------------------------------------------------------- loading
 
@@ -137,6 +154,21 @@ class LlamaModel(nn.Module):
             specs[m + "down_proj.weight"] = WeightSpec(f"layers.{i}.down", 1)
         return specs
 
+    def int4_params(self) -> set[str]:
+        """The projection parameters that may be kept 4-bit (not sharded: blocks span whole rows only)."""
+        if self.tp.enabled or self.device.type != "cpu":
+            return set()
+        return {f"layers.{i}.{name}" for i in range(self.cfg.num_layers) for name in ("qkv", "o", "gate_up", "down")}
+
+    def int4_param_names(self) -> list[str]:
+        """The projections held 4-bit after loading (for the log and the benchmarks)."""
+        return [f"layers.{i}.{name}" for i, w in enumerate(self._linears)
+                for name in ("qkv", "o", "gate_up", "down") if isinstance(getattr(w, name), Int4Weight)]
+
+    def load_int4_part(self, param: str, row_offset: int, rows: Q4Rows) -> None:
+        """Keep ``rows`` of ``param`` (from ``row_offset``) 4-bit instead of copying dense values in."""
+        self._int4_parts.setdefault(param, {})[row_offset] = rows
+
     def finish_loading(self) -> None:
         """Derive helper tensors once the weights are in place (zero the padded vocab rows)."""
         pad_from = self.cfg.vocab_size - self.vocab_start
@@ -154,21 +186,75 @@ class LlamaModel(nn.Module):
 
     def _prepare_linears(self) -> None:
         """Hand every projection weight to the linear kernel once. A kernel that re-lays a weight
-        out (oneDNN packing) gets a copy, and the loaded tensor is released so memory does not
-        double; the tied embedding stays, since the embedding lookup reads it."""
+        out (oneDNN packing, int4 packing) gets a copy, and the loaded tensor is released so memory
+        does not double; the tied embedding stays, since the embedding lookup reads it."""
+        if self._int4_parts:
+            # The plan is measured on the widest projection kept 4-bit, the one that costs a step most.
+            shape = max((tuple(p.shape) for n, p in self.named_parameters() if n in self._int4_parts),
+                        key=lambda s: s[0] * s[1])
+            plan = int4_plan(shape, cpu_has_fast_path(torch.bfloat16))
+            if plan.max_int4_rows == 0 and not self.int4_required:
+                log.warning("4-bit weights dequantized to %s: %s", self.dtype, plan.reason)
+                self._dense_from_int4_parts()
+            else:
+                self.linear = Int4CpuLinear(self.linear, plan)
+                self.head_linear = self._int4_head_linear()
         prepare = self.linear.prepare
 
-        def take(param: nn.Parameter) -> torch.Tensor:
-            prepared = prepare(param)
+        def take(param: nn.Parameter, name: str) -> torch.Tensor | Int4Weight:
+            parts = self._int4_parts.pop(name, None)
+            if name == "lm_head":
+                prepared = self.head_linear.prepare(param)
+            else:
+                prepared = prepare(param) if parts is None else self._pack_int4(name, param, parts)
             if prepared is not param:
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             return prepared
 
-        self._linears = [
-            LayerLinears(take(layer.qkv), layer.qkv_bias, take(layer.o), take(layer.gate_up), take(layer.down))
-            for layer in self.layers
-        ]
-        self._head = prepare(self.embed) if self.lm_head is None else take(self.lm_head)
+        def layer_linears(i: int, layer: DecoderLayer) -> LayerLinears:
+            p = f"layers.{i}."
+            return LayerLinears(take(layer.qkv, p + "qkv"), layer.qkv_bias, take(layer.o, p + "o"),
+                                take(layer.gate_up, p + "gate_up"), take(layer.down, p + "down"))
+
+        self._linears = [layer_linears(i, layer) for i, layer in enumerate(self.layers)]
+        head = self.embed if self.lm_head is None else self.lm_head
+        self._head = self.head_linear.prepare(head) if self.lm_head is None else take(head, "lm_head")
+        if self._int4_parts:
+            raise ValueError(f"4-bit rows for parameters without a slot: {sorted(self._int4_parts)}")
+
+    def _pack_int4(self, name: str, param: nn.Parameter, parts: dict[int, Q4Rows]) -> torch.Tensor | Int4Weight:
+        """One fused int4 weight from the 4-bit rows of every part (q, k, v; gate, up), or the dense
+        weight when some part was stored in another type (mixed GGUFs such as Q4_K_M) or the rows do not
+        fill the kernel's tiles."""
+        filled = sum(r.rows for r in parts.values())
+        if filled != param.shape[0] or not int4_fits(*param.shape):
+            log.info("%s stays %s: its 4-bit rows (%d of %d) do not make a whole int4 weight", name, self.dtype,
+                     filled, param.shape[0])
+            self._copy_dense(param, parts)
+            return self.linear.prepare(param)
+        return pack(concat_rows([parts[o] for o in sorted(parts)]))
+
+    def _int4_head_linear(self) -> CastLinear | Int4CpuLinear:
+        """Beside int4 projections, a float32 LM head would be most of a decode step's bytes (113 of
+        180 MB for SmolLM2): where the CPU has native bf16 it is kept in bfloat16, the precision the
+        int4 kernel's activations have anyway."""
+        if self.dtype != torch.float32 or not cpu_has_fast_path(torch.bfloat16):
+            return self.linear
+        inner = PackedCpuLinear() if PackedCpuLinear.works(torch.bfloat16) else TorchLinear()
+        log.info("LM head in bfloat16 beside the int4 projections (%s)", inner.name)
+        return CastLinear(inner, torch.bfloat16)
+
+    def _dense_from_int4_parts(self) -> None:
+        params = dict(self.named_parameters())
+        for name, parts in self._int4_parts.items():
+            self._copy_dense(params[name], parts)
+        self._int4_parts = {}
+
+    @staticmethod
+    def _copy_dense(param: nn.Parameter, parts: dict[int, Q4Rows]) -> None:
+        with torch.no_grad():
+            for offset, rows in parts.items():
+                param[offset : offset + rows.rows].copy_(rows.values())
 
     # ---------------------------------------------------------------- forward
 
@@ -189,8 +275,12 @@ class LlamaModel(nn.Module):
         attn: AttentionBackend,
         attn_plan: object,
         logits_indices: torch.Tensor,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
-        """Run every layer over the step's tokens; return float32 logits [len(logits_indices), vocab]."""
+        """Run every layer over the step's tokens; return float32 logits [len(logits_indices), vocab].
+
+        ``lora`` adds the step's LoRA adapters to the projections they target (evenflow/worker/lora/pool.py).
+        """
         cfg = self.cfg
         eps, d = cfg.rms_norm_eps, cfg.head_dim
         n = input_ids.shape[0]
@@ -201,6 +291,8 @@ class LlamaModel(nn.Module):
         for i, (layer, w) in enumerate(zip(self.layers, self._linears)):
             h = rms_norm(x, layer.input_norm, eps)
             qkv = linear(h, w.qkv, w.qkv_bias)
+            if lora is not None:
+                lora.add(i, "qkv", h, qkv)
             qk = qkv[:, : self.q_size + self.kv_size].view(n, qk_heads, d)
             if cfg.qk_norm:
                 qk = rms_norm_heads(qk, self._qk_norm_weights[i], eps)
@@ -208,11 +300,19 @@ class LlamaModel(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, d)
             o = attn.forward(q, k, v, kv_caches[i], attn_plan)
-            x = x + self.tp.all_reduce(linear(o, w.o, None))
+            o_out = linear(o, w.o, None)
+            if lora is not None:  # row-parallel: each rank's partial delta joins the all-reduce
+                lora.add(i, "o", o, o_out)
+            x = x + self.tp.all_reduce(o_out)
             h = rms_norm(x, layer.post_norm, eps)
             gu = linear(h, w.gate_up, None)
+            if lora is not None:
+                lora.add(i, "gate_up", h, gu)
             act = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :]
-            x = x + self.tp.all_reduce(linear(act, w.down, None))
+            down = linear(act, w.down, None)
+            if lora is not None:
+                lora.add(i, "down", act, down)
+            x = x + self.tp.all_reduce(down)
         x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
-        logits = self.tp.all_gather_last_dim(linear(x, self._head, None).float())
+        logits = self.tp.all_gather_last_dim(self.head_linear(x, self._head, None).float())
         return logits[:, : cfg.vocab_size]

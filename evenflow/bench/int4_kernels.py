@@ -1,0 +1,47 @@
+"""The linear kernels a decode or prefill step can use, timed side by side on one weight shape:
+float32 (oneDNN-packed), bfloat16 (oneDNN-packed where native), and the int4 kernel on GGUF Q4
+blocks (bfloat16 activations), with the dequantize-then-bf16 path int4 switches to for many rows."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan
+from evenflow.worker.models.linear import PackedCpuLinear, TorchLinear
+from evenflow.worker.models.q4_blocks import GROUP, Q4Rows, pack
+
+SHAPES = [(1, 576, 960), (1, 576, 576), (1, 576, 3072), (1, 1536, 576), (1, 576, 49152),
+          (8, 576, 3072), (64, 576, 3072), (256, 576, 3072), (8, 1024, 8192), (8, 4096, 4096), (64, 1024, 8192)]
+KERNELS = ["float32", "bfloat16", "int4", "int4 dequant+bf16"]
+
+
+def time_kernels(rows: int, k: int, n: int, trials: int = 7) -> list[float]:
+    """Milliseconds per call of each of ``KERNELS`` (min over trials, kernels interleaved in each)."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(n, k, generator=g) * 0.02, torch.randn(rows, k, generator=g)
+    f32 = PackedCpuLinear() if PackedCpuLinear.works() else TorchLinear()
+    bf16 = PackedCpuLinear() if PackedCpuLinear.works(torch.bfloat16) else TorchLinear()
+    wf, wb, xb = f32.prepare(w), bf16.prepare(w.bfloat16()), x.bfloat16()
+    q4 = pack(Q4Rows(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
+                     torch.rand(n, k // GROUP, generator=g) * 0.01, torch.zeros(n, k // GROUP)))
+    int4 = Int4CpuLinear(f32, Int4Plan(1 << 30, torch.bfloat16, "all rows int4"))
+    dense = Int4CpuLinear(f32, Int4Plan(0, torch.bfloat16, "all rows dense"))
+    fns = [lambda: f32(x, wf), lambda: bf16(xb, wb), lambda: int4(x, q4), lambda: dense(x, q4)]
+    best = [float("inf")] * len(fns)
+    with torch.inference_mode():
+        for f in fns:
+            f()
+        for _ in range(trials):
+            for i, f in enumerate(fns):
+                t0 = time.perf_counter()
+                f()
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return [b * 1e3 for b in best]
+
+
+def kernel_table(shapes: list[tuple[int, int, int]] = SHAPES) -> str:
+    lines = ["| rows x in -> out | " + " | ".join(KERNELS) + " |", "|---|" + "--:|" * len(KERNELS)]
+    for rows, k, n in shapes:
+        lines.append(f"| {rows} x {k} -> {n} | " + " | ".join(f"{t:.3f}" for t in time_kernels(rows, k, n)) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""A decode step against the memory roofline: the bytes it must read, the machine's read bandwidth,
+and where the step's time goes (linears / attention / sampling / the rest).
+
+A decode step of B sequences reads every projection weight once, the LM head once, B embedding
+rows, and each sequence's K and V over its context in every layer; at the measured read bandwidth
+that is the step's floor (``roofline_s``). The split is taken by timing wrappers around the model's
+linear kernel, its attention backend and the sampler (CPU calls are synchronous, so a wall-clock
+wrapper measures the call).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from evenflow.protocol import WorkerConfig
+from evenflow.worker.models.q4_blocks import Int4Weight
+from evenflow.worker.runner import ModelRunner
+from evenflow.worker.sampling_metadata import SamplingMetadata
+from evenflow.worker.synthetic_steps import synthetic_step
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """Seconds of one decode step (median over the timed steps), by part."""
+
+    total_s: float
+    linear_s: float
+    attention_s: float
+    sampling_s: float
+
+    @property
+    def rest_s(self) -> float:
+        return max(self.total_s - self.linear_s - self.attention_s - self.sampling_s, 0.0)
+
+
+@dataclass(frozen=True)
+class RooflineRow:
+    model: str
+    mode: str  # float32, bfloat16, int4
+    batch: int
+    context: int
+    weight_bytes: int
+    kv_bytes: int
+    bandwidth: float  # bytes/s
+    split: StepSplit
+
+    @property
+    def roofline_s(self) -> float:
+        return (self.weight_bytes + self.kv_bytes) / self.bandwidth
+
+    @property
+    def ratio(self) -> float:
+        """Step time over its roofline (1.0: bound by memory reads alone)."""
+        return self.split.total_s / self.roofline_s
+
+
+def read_bandwidth(nbytes: int = 256 << 20, trials: int = 7) -> float:
+    """Bytes/s of a full read of a buffer far larger than the caches (a float32 sum), best of ``trials``."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf.sum()
+    best = float("inf")
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def _nbytes(weight: torch.Tensor | Int4Weight) -> int:
+    if isinstance(weight, Int4Weight):
+        return weight.nbytes
+    return weight.numel() * weight.element_size()
+
+
+def decode_step_bytes(runner: ModelRunner, batch: int, context: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes) one decode step of ``batch`` sequences at ``context`` tokens reads."""
+    model = runner.model
+    weights = sum(_nbytes(getattr(w, name)) for w in model._linears for name in ("qkv", "o", "gate_up", "down"))
+    weights += sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name.endswith("norm"))
+    weights += _nbytes(model._head) + batch * model.embed.shape[1] * model.embed.element_size()
+    kv_elem = torch.empty(0, dtype=runner.torch_dtype).element_size()
+    kv = 2 * model.cfg.num_layers * batch * context * model.num_kv_heads * model.cfg.head_dim * kv_elem
+    return weights, kv
+
+
+class _Timed:
+    """Wraps a callable; sums the seconds of its calls."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.seconds = fn, 0.0
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+class _TimedAttention:
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.forward = _Timed(backend.forward)
+
+    def plan(self, inputs):
+        return self.backend.plan(inputs)
+
+
+def profile_decode(runner: ModelRunner, batch: int, context: int, steps: int = 20) -> StepSplit:
+    """Median split of ``steps`` synthetic decode steps (``batch`` sequences at ``context`` tokens,
+    greedy sampling), after two warm-up steps."""
+    step = synthetic_step([1] * batch, [context] * batch, runner.block_size, runner.device)
+    caches = runner._scratch_caches(step.num_blocks)
+    model = runner.model
+    meta = SamplingMetadata(num_reqs=batch, vocab_size=runner.vocab_size)
+    kernel = model.linear
+    records: list[StepSplit] = []
+    try:
+        with torch.inference_mode():
+            for i in range(steps + 2):
+                linear, attn, sampler = _Timed(kernel), _TimedAttention(runner.attn), _Timed(runner.sampler)
+                model.linear = linear
+                t0 = time.perf_counter()
+                logits = model(step.input_ids, step.positions, caches, attn, attn.plan(step.attn), step.logits_indices)
+                sampler(logits, meta).sampled_token_ids.tolist()
+                total = time.perf_counter() - t0
+                if i >= 2:
+                    records.append(StepSplit(total, linear.seconds, attn.forward.seconds, sampler.seconds))
+    finally:
+        model.linear = kernel
+    records.sort(key=lambda r: r.total_s)
+    return records[len(records) // 2]
+
+
+def roofline_row(model: str, mode: str, batch: int, context: int, bandwidth: float, threads: int,
+                 steps: int = 20) -> RooflineRow:
+    """Load ``model`` in ``mode`` (float32 / bfloat16 / int4) and measure one row of the table."""
+    dtype = "bfloat16" if mode == "bfloat16" else "float32"
+    quantization = "gguf" if mode == "int4" else ("none" if model.endswith(".gguf") else None)
+    blocks = batch * (-(-(context + 1) // 16)) + 1
+    runner = ModelRunner(WorkerConfig(model=model, dtype=dtype, device="cpu", block_size=16,
+                                      max_model_len=context + 16, num_kv_blocks=blocks, num_threads=threads,
+                                      quantization=quantization))
+    torch.set_num_threads(threads)
+    weights, kv = decode_step_bytes(runner, batch, context)
+    split = profile_decode(runner, batch, context, steps)
+    return RooflineRow(model.rsplit("/", 1)[-1], mode, batch, context, weights, kv, bandwidth, split)
+
+
+def format_table(rows: list[RooflineRow]) -> str:
+    head = ("| model | mode | B | context | weights MB | KV MB | roofline ms | step ms | ratio | linears ms | "
+            "attention ms | sampling ms | rest ms |\n|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    lines = [head]
+    for r in rows:
+        s = r.split
+        lines.append(f"| {r.model} | {r.mode} | {r.batch} | {r.context} | {r.weight_bytes / 1e6:.1f} | "
+                     f"{r.kv_bytes / 1e6:.2f} | {r.roofline_s * 1e3:.2f} | {s.total_s * 1e3:.2f} | {r.ratio:.2f} | "
+                     f"{s.linear_s * 1e3:.2f} | {s.attention_s * 1e3:.2f} | {s.sampling_s * 1e3:.2f} | "
+                     f"{s.rest_s * 1e3:.2f} |")
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""The target the adaptive budget runs with when the user names none: derived from the decode step.
+
+With neither ``--max-num-batched-tokens`` nor ``--target-itl-ms`` given, the engine holds the streams'
+inter-token latency at
+
+    target = max(AUTO_TARGET_FLOOR_S, AUTO_TARGET_DECODE_MULTIPLE x the decode-only step)
+
+* The multiple sets how a step is shared: a step of k x the decode step leaves (k - 1) / k of it to
+  prompt tokens, so a long prompt beside streams prefills at about (k - 1) / k of its unchunked rate
+  (its first token about k / (k - 1) times later, plus what each chunk costs beyond its share).
+  k = 4, from the virtual-clock interference runs (docs/results/steadiness.md): the smallest of 2,
+  2.5, 3, 3.5 and 4 whose long-prompt TTFT stayed within 1.5x of unchunked on every model
+  measured (k = 3: 1.54-1.57x on the small and the real model; k = 4: 1.44-1.45x), with the
+  streams' p99 on the target and no gap over 250 ms.
+* The floor is what a reader cannot tell apart: 50 ms a token is 20 tokens/s, faster than anyone
+  reads a stream. A small model whose decode step is a few ms gets this floor, not 4x its step, and
+  its prompts chunks several times larger than 4x would allow.
+* The decode step is measured, not configured: a multiplicative median tracker over the measured
+  decode-only steps (up or down by ``DECODE_STEP_TRACKING`` a step), so it follows a slower machine,
+  more streams or longer contexts within a few dozen steps, and a rare slow step moves it by 2%.
+"""
+
+from __future__ import annotations
+
+AUTO_TARGET_FLOOR_S = 0.050
+AUTO_TARGET_DECODE_MULTIPLE = 4.0
+DECODE_STEP_TRACKING = 0.02
+
+
+class AutoTarget:
+    """The derived target, from the decode-only steps seen so far."""
+
+    def __init__(self) -> None:
+        self.decode_step_s = 0.0  # 0: none measured yet
+
+    @property
+    def target_s(self) -> float:
+        return max(AUTO_TARGET_FLOOR_S, AUTO_TARGET_DECODE_MULTIPLE * self.decode_step_s)
+
+    def observe_decode_step(self, seconds: float) -> None:
+        """One measured step that carried decodes and no prompt chunk."""
+        if self.decode_step_s == 0.0:
+            self.decode_step_s = seconds
+        elif seconds > self.decode_step_s:
+            self.decode_step_s *= 1 + DECODE_STEP_TRACKING
+        else:
+            self.decode_step_s /= 1 + DECODE_STEP_TRACKING

@@ -1,0 +1,167 @@
+"""The int4 linear: GGUF Q4 weights kept 4-bit, the kernel chosen per step shape by a measurement.
+
+Decode is bound by the bytes of weights a step reads, and torch's CPU int4 kernel
+(``_weight_int4pack_mm_for_cpu``, bfloat16 activations) reads 0.625 bytes a parameter (4 bits, a
+bf16 scale and zero per 32) against float32's 4; but it dequantizes per row, so from some tens of
+rows a dense GEMM on the weight dequantized once for the step (bfloat16 where the CPU has native
+bf16, else float32) is faster. Where that crossover lies differs by CPU, so ``measure_int4_plan``
+times both at start-up on the model's widest projection and ``Int4CpuLinear`` uses the plan; the
+choice is logged.
+
+Only the projections are int4. Dense weights (the embeddings and LM head, 4-bit tensors whose
+rows do not fill the kernel's 64-row tiles) go through the dense kernel this wraps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from evenflow.worker.models.linear import Linear
+from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack
+
+log = logging.getLogger("evenflow.worker.int4")
+
+# Row counts the start-up measurement tries (decode batches up to chunked prefills).
+_PROBE_ROWS = (1, 4, 16, 32, 64, 128, 256)
+_TRIALS = 5  # min over interleaved trials: the machine may be shared, a min is the stable figure
+
+
+@dataclass(frozen=True)
+class Int4Plan:
+    """Which kernel runs a step of ``rows`` rows: int4 up to ``max_int4_rows``, else dense in ``dense_dtype``."""
+
+    max_int4_rows: int  # 0: the int4 kernel never won, weights should be dequantized at load
+    dense_dtype: torch.dtype
+    reason: str
+
+
+class Int4CpuLinear:
+    """``__call__(x, weight, bias)`` for ``Int4Weight`` weights per the plan; dense weights pass to ``dense``."""
+
+    name = "int4"
+
+    def __init__(self, dense: Linear, plan: Int4Plan) -> None:
+        self.dense = dense
+        self.plan = plan
+        self._scratch: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # one dequantized weight per shape
+        self.prepare = dense.prepare  # dense weights are laid out by the wrapped kernel
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        if type(weight) is not Int4Weight:
+            return self.dense(x, weight, bias)
+        if x.shape[0] <= self.plan.max_int4_rows:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), weight.packed, GROUP, weight.scale_zeros).to(x.dtype)
+        else:
+            y = F.linear(x.to(self.plan.dense_dtype), weight.dequantize(self._scratch_for(weight))).to(x.dtype)
+        return y if bias is None else y + bias
+
+    def _scratch_for(self, weight: Int4Weight) -> torch.Tensor:
+        key = (weight.out_features, weight.in_features, self.plan.dense_dtype)
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = self._scratch[key] = torch.empty(key[:2], dtype=key[2])
+        return buf
+
+
+def int4_fits(out_features: int, in_features: int) -> bool:
+    """Whether ``Int4Weight`` can hold a weight of this shape (whole 64-row tiles, whole groups)."""
+    return out_features % PACK_TILE_ROWS == 0 and in_features % GROUP == 0
+
+
+def layout_matches() -> bool:
+    """Whether this torch packs int4 in the tile layout ``Int4Weight.dequantize`` reads (checked once;
+    a torch that changes it keeps 4-bit weights off rather than computing wrong values)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (2 * PACK_TILE_ROWS, 2 * GROUP), dtype=torch.uint8, generator=g)
+    scale = torch.rand(q.shape[0], 2, generator=g).bfloat16().float()
+    zero = torch.rand(q.shape[0], 2, generator=g).bfloat16().float()
+    try:
+        w = pack(Q4Rows(q, scale, zero))
+    except (RuntimeError, AttributeError) as exc:
+        log.info("int4 kernel unavailable in this torch (%s)", exc)
+        return False
+    expect = (q.float().view(-1, 2, GROUP) - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
+    got = w.dequantize(torch.empty(q.shape, dtype=torch.float32))
+    return torch.allclose(got, expect.view_as(got), rtol=1e-6, atol=1e-6)
+
+
+def _time_min(fns: list, trials: int = _TRIALS) -> list[float]:
+    """Seconds per call of each function: min over trials, the functions interleaved in each."""
+    best = [float("inf")] * len(fns)
+    for f in fns:
+        f()
+    for _ in range(trials):
+        for i, f in enumerate(fns):
+            t0 = time.perf_counter()
+            f()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
+def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool) -> Int4Plan:
+    """Time int4 against the dense path on one projection of ``shape`` (out, in) at every probe size.
+
+    The dense path for many rows is bfloat16 where ``bf16_fast`` (native bf16) and measured faster
+    than float32 at the largest probe, else float32; its cost includes dequantizing the weight once,
+    as a step pays that once per layer.
+    """
+    if not layout_matches():
+        return Int4Plan(0, torch.float32, "this torch's int4 packing is not the layout evenflow reads")
+    n, k = shape
+    g = torch.Generator().manual_seed(0)
+    weight = pack(Q4Rows(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
+                         torch.rand(n, k // GROUP, generator=g) * 0.01, torch.zeros(n, k // GROUP)))
+    big = torch.randn(_PROBE_ROWS[-1], k, generator=g)
+    dense = {dtype: weight.dequantize(torch.empty(shape, dtype=dtype)) for dtype in (torch.float32, torch.bfloat16)}
+    dtypes = [torch.float32, torch.bfloat16] if bf16_fast else [torch.float32]
+    with torch.inference_mode():
+        costs = _time_min([lambda dtype=dtype: F.linear(big.to(dtype), dense[dtype]) for dtype in dtypes]
+                          + [lambda dtype=dtype: weight.dequantize(dense[dtype]) for dtype in dtypes])
+        dequant_s = dict(zip(dtypes, costs[len(dtypes):]))
+        dense_dtype = min(dtypes, key=lambda dtype: costs[dtypes.index(dtype)] + dequant_s[dtype])
+        max_rows, lines = 0, []
+        for rows in _PROBE_ROWS:
+            x = big[:rows]
+            int4_s, matmul_s, f32_s = _time_min([
+                lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), weight.packed, GROUP,
+                                                                   weight.scale_zeros),
+                lambda: F.linear(x.to(dense_dtype), dense[dense_dtype]),
+                lambda: F.linear(x, dense[torch.float32]),  # float32 weights kept: what int4 must beat
+            ])
+            dense_s = dequant_s[dense_dtype] + matmul_s
+            lines.append(f"{rows}: int4 {int4_s * 1e3:.3f} / dequant+{str(dense_dtype)[6:]} {dense_s * 1e3:.3f} / "
+                         f"float32 {f32_s * 1e3:.3f} ms")
+            if int4_s < dense_s and (rows > 1 or int4_s < f32_s):
+                max_rows = rows
+            elif rows == 1:
+                break
+    detail = "; ".join(lines)
+    if max_rows == 0:
+        return Int4Plan(0, dense_dtype, f"the int4 kernel was slower than float32 at one row ({detail})")
+    return Int4Plan(max_rows, dense_dtype,
+                    f"int4 up to {max_rows} rows, dequantized {str(dense_dtype)[6:]} above, on {n}x{k} ({detail})")
+
+
+_PLANS: dict[tuple[tuple[int, int], bool], Int4Plan] = {}
+
+
+def int4_plan(shape: tuple[int, int], bf16_fast: bool) -> Int4Plan:
+    """``measure_int4_plan`` once per process and shape, logged."""
+    key = (shape, bf16_fast)
+    if key not in _PLANS:
+        t0 = time.perf_counter()
+        # On one thread: the ratios are what decide, and one thread is what a shared machine disturbs least.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _PLANS[key] = plan = measure_int4_plan(shape, bf16_fast)
+        finally:
+            torch.set_num_threads(threads)
+        log.info("int4 linear plan (measured in %.2f s): %s", time.perf_counter() - t0, plan.reason)
+    return _PLANS[key]

@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""A decode step against the memory roofline (evenflow/bench/roofline.py): measured read bandwidth,
+the bytes a step reads (weights + KV), the step's split, and its ratio to the roofline.
+
+    python scripts/bench_roofline.py --model /path/SmolLM2-135M-Instruct.Q4_1.gguf --modes float32,bfloat16,int4
+    python scripts/bench_roofline.py --model M1.gguf --model M2.gguf --batch 1,8 --context 128 --threads 2
+    python scripts/bench_roofline.py --kernels --threads 1      # the linear kernels alone, ms per call
+
+int4 needs a GGUF holding Q4_0/Q4_1 projections; float32 and bfloat16 dequantize it (or read an HF folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+
+from evenflow.bench.int4_kernels import kernel_table
+from evenflow.bench.roofline import format_table, read_bandwidth, roofline_row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", action="append", default=[], help="a GGUF file or HF folder (repeatable)")
+    p.add_argument("--kernels", action="store_true", help="also time the linear kernels alone per shape")
+    p.add_argument("--modes", default="float32,bfloat16,int4")
+    p.add_argument("--batch", default="1", help="comma-separated decode batch sizes")
+    p.add_argument("--context", type=int, default=128, help="tokens of context per sequence")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per row (median reported)")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    if args.kernels:
+        print(f"linear kernels, ms per call, {args.threads} threads, min of 7 interleaved trials")
+        print(kernel_table())
+        print()
+    if not args.model:
+        return
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads, best of 7 sums of 256 MiB)")
+    rows = []
+    for model in args.model:
+        for mode in args.modes.split(","):
+            if mode == "int4" and not model.endswith(".gguf"):
+                continue
+            for batch in (int(b) for b in args.batch.split(",")):
+                rows.append(roofline_row(model, mode, batch, args.context, bandwidth, args.threads, args.steps))
+                print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+    print()
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()

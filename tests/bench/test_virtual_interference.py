@@ -1,0 +1,25 @@
+"""The virtual-clock interference benchmark: the real scheduler under made-up step costs (the issue's
+real-model figures: a 48 ms decode step of 6 streams, a 1.9 s unchunked 2048-token prefill)."""
+
+from __future__ import annotations
+
+from evenflow.bench.virtual_interference import MachineCosts, Workload, run
+from evenflow.core.sched.config import SchedulerConfig
+
+COSTS = MachineCosts((0.042, 0.0009, 2e-7, 1.2e-8, 1e-4))
+LOAD = Workload(streams=6, long_interval_s=7.6, duration_s=25.0)
+
+
+def summary(**options: object) -> dict[str, float]:
+    config = SchedulerConfig(num_kv_blocks=4096, max_model_len=4096, max_num_seqs=64, **options)  # type: ignore[arg-type]
+    return run("x", config, COSTS, LOAD).summary()
+
+
+def test_the_default_keeps_the_streams_steady_at_the_unchunked_throughput() -> None:
+    default, fixed = summary(auto_target_itl=True), summary(max_num_batched_tokens=2048)
+    assert default["itl_max"] < fixed["itl_max"] / 4  # the issue's bar: a quarter of the worst stall
+    assert default["gaps_over_250"] == 0 < fixed["gaps_over_250"]
+    assert default["out_tok_s"] >= 0.95 * fixed["out_tok_s"]
+    # Three long prompts: each one's TTFT depends on where it lands against the streams' restarts
+    # (2.6-3.3 s here); over eight (the benchmark's 61 s) the median is 1.5x.
+    assert default["ttft_p50"] <= 1.8 * fixed["ttft_p50"]

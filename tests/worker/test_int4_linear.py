@@ -1,0 +1,88 @@
+"""The int4 linear (evenflow/worker/models/int4_linear.py, q4_blocks.py): GGUF Q4_0/Q4_1 blocks packed
+for torch's CPU int4 kernel hold exactly the values gguf's own dequantizer gives, and both of the
+kernel's paths (int4 for few rows, dequantized dense for many) compute the linear of those values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan, layout_matches, measure_int4_plan
+from evenflow.worker.models.linear import TorchLinear
+from evenflow.worker.models.q4_blocks import concat_rows, pack, split_blocks
+
+Q4_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
+# bfloat16 activations (8 significant bits) and bfloat16 group scales: both paths' outputs are within
+# this fraction of the output's largest magnitude of the float32 linear on gguf's values.
+BF16_REL_TOL = 2e-2
+
+
+def blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """Raw GGUF blocks of a random weight and gguf's float32 dequantization of them (the reference)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    raw = quantize(w, qtype)
+    return raw, torch.from_numpy(dequantize(raw, qtype).reshape(rows, cols).copy())
+
+
+def test_this_torch_packs_int4_in_the_layout_evenflow_reads() -> None:
+    assert layout_matches()
+
+
+@pytest.mark.parametrize("qtype", Q4_TYPES)
+@pytest.mark.parametrize("shape", [(64, 32), (192, 576), (128, 1536)])
+def test_packed_blocks_hold_ggufs_values(qtype: GGMLQuantizationType, shape: tuple[int, int]) -> None:
+    raw, reference = blocks(qtype, *shape, seed=shape[1])
+    rows = split_blocks(qtype, raw, shape)
+    torch.testing.assert_close(rows.values(), reference, rtol=1e-6, atol=1e-7)
+    # The packed form's scale and zero are bfloat16, as the kernel reads them: values within bf16 rounding.
+    unpacked = pack(rows).dequantize(torch.empty(shape))
+    torch.testing.assert_close(unpacked, reference, rtol=0, atol=float(reference.abs().max()) * 2**-7)
+
+
+def test_fused_parts_keep_their_rows_in_order() -> None:
+    (raw_a, ref_a), (raw_b, ref_b) = blocks(Q4_TYPES[1], 128, 64, 1), blocks(Q4_TYPES[0], 64, 64, 2)
+    fused = concat_rows([split_blocks(Q4_TYPES[1], raw_a, (128, 64)), split_blocks(Q4_TYPES[0], raw_b, (64, 64))])
+    torch.testing.assert_close(fused.values(), torch.cat([ref_a, ref_b]), rtol=1e-6, atol=1e-7)
+
+
+def test_other_types_and_partial_blocks_are_refused() -> None:
+    with pytest.raises(ValueError, match="Q8_0 is not a 4-bit type"):
+        split_blocks(GGMLQuantizationType.Q8_0, np.zeros((1, 34), np.uint8), (1, 32))
+    with pytest.raises(ValueError, match="multiple of the 32-value block"):
+        split_blocks(GGMLQuantizationType.Q4_1, np.zeros((1, 20), np.uint8), (1, 48))
+
+
+@pytest.mark.parametrize("qtype", Q4_TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 40, 300])
+@pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
+def test_both_paths_compute_the_linear_of_the_gguf_values(qtype: GGMLQuantizationType, rows: int,
+                                                          dense_dtype: torch.dtype) -> None:
+    raw, reference = blocks(qtype, 192, 576, seed=rows)
+    weight = pack(split_blocks(qtype, raw, (192, 576)))
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(192)
+    expect = F.linear(x, reference, bias)
+    # The packed weight's own values (GGUF's, scales rounded to bfloat16): the float32 dense path is exact on them.
+    exact = F.linear(x, weight.dequantize(torch.empty(192, 576)), bias)
+    for max_int4_rows in (0, 8):  # every row count through the dense path, then the int4 path up to 8
+        kernel = Int4CpuLinear(TorchLinear(), Int4Plan(max_int4_rows, dense_dtype, "test"))
+        out = kernel(x, weight, bias)
+        assert out.dtype == torch.float32 and out.shape == expect.shape
+        assert float((out - expect).abs().max()) <= BF16_REL_TOL * float(expect.abs().max())
+        if max_int4_rows < rows and dense_dtype == torch.float32:
+            torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-5)
+
+def test_dense_weights_pass_through_to_the_wrapped_kernel() -> None:
+    kernel = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.bfloat16, "test"))
+    w, x = torch.randn(24, 40), torch.randn(2, 40)
+    torch.testing.assert_close(kernel(x, kernel.prepare(w)), F.linear(x, w))
+
+
+def test_start_up_plan_is_measured_and_explained() -> None:
+    plan = measure_int4_plan((128, 256), bf16_fast=True)
+    assert plan.max_int4_rows >= 0 and plan.dense_dtype in (torch.float32, torch.bfloat16)
+    assert "1: int4" in plan.reason  # every probe's timings are in the logged reason

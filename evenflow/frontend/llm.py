@@ -231,9 +231,11 @@ class LLM:
             outs = [CompletionOutput(j.index, j.assembler.text, j.assembler.token_ids, j.assembler.finish_reason,
                                      j.assembler.stop_reason, j.assembler.logprobs if j.params.logprobs is not None else None)
                     for j in gen.jobs]
-            rows = gen.jobs[0].assembler.prompt_logprobs
-            results.append(RequestOutput(gen.jobs[0].engine_id.rsplit("-", 1)[0], text, ids, outs, gen.num_cached_tokens,
-                                         prompt_logprob_entries(self.tokenizer, rows) if rows is not None else None))
+            first = gen.jobs[0]
+            prompt_logprobs = (prompt_logprob_entries(self.tokenizer, first.assembler.prompt_logprobs)
+                               if first.params.prompt_logprobs is not None else None)
+            results.append(RequestOutput(first.engine_id.rsplit("-", 1)[0], text, ids, outs, gen.num_cached_tokens,
+                                         prompt_logprobs))
         return results
 
     def _adapter(self, lora_request: LoRARequest) -> AdapterRef:

@@ -24,10 +24,13 @@ class Logprob:
 PromptLogprobEntries = list[dict[int, Logprob] | None]
 
 
-def prompt_logprob_entries(tokenizer: Tokenizer, rows: PromptLogprobs) -> PromptLogprobEntries:
-    """The engine's rows (prompt tokens 1..) -> vLLM's per-token list, starting with None."""
-    text = tokenizer.token_string
+def prompt_logprob_entries(tokenizer: Tokenizer, rows: PromptLogprobs | None) -> PromptLogprobEntries:
+    """The engine's rows (prompt tokens 1..; None: a one-token prompt has none) -> vLLM's
+    per-token list, starting with None."""
     out: PromptLogprobEntries = [None]
+    if rows is None:
+        return out
+    text = tokenizer.token_string
     for ids, values, rank in zip(rows.token_ids, rows.logprobs, rows.ranks):
         entry = {ids[0]: Logprob(values[0], rank, text(ids[0]))}
         for top_rank, (token_id, value) in enumerate(zip(ids[1:], values[1:]), start=1):
@@ -47,4 +50,4 @@ def prompt_logprobs_json(entries: PromptLogprobEntries) -> list[dict[str, dict[s
 def prompt_logprobs_by_prompt(tokenizer: Tokenizer, jobs: list[ChoiceJob]) -> dict[int, list[dict[str, Any] | None]]:
     """Each prompt's prompt logprobs in the HTTP shape, by prompt index (its first choice asked)."""
     return {job.prompt_index: prompt_logprobs_json(prompt_logprob_entries(tokenizer, job.assembler.prompt_logprobs))
-            for job in jobs if job.assembler.prompt_logprobs is not None}
+            for job in jobs if job.params.prompt_logprobs is not None}

@@ -137,3 +137,9 @@ def test_prompt_logprobs_out_of_range_or_streamed_is_a_400(http: TestClient, fak
     r = http.post(path, json=_body(path, **extra))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "prompt_logprobs" and not fake.submitted
+
+
+def test_a_one_token_prompt_has_one_null_prompt_logprob(http: TestClient, fake: FakeEngineClient) -> None:
+    r = http.post(COMPLETIONS, json=_body(COMPLETIONS, prompt=[5], prompt_logprobs=1))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["prompt_logprobs"] == [None]  # the engine sends no rows for it

@@ -94,7 +94,7 @@ async def part_structured(model: str, tok: Tokenizer, args: argparse.Namespace, 
     prompts = schema_prompts(tok)
     engines = await start(model, workdir, {"engine": []})
     engine = engines["engine"]
-    cells: dict[str, list[tuple[float, float]]] = {}
+    cells: dict[str, list[tuple[float, float, float]]] = {}  # (tok/s, valid share, share cut at max_tokens)
     try:
         for r, order in enumerate(orders(["free", "schema"], args.rounds)):
             for mode in order:
@@ -104,17 +104,20 @@ async def part_structured(model: str, tok: Tokenizer, args: argparse.Namespace, 
                 batch = await engine.run(requests, len(requests))
                 texts = [tok.decode(res.token_ids) for res in batch.results]
                 rate = sum(valid(t, SCHEMAS[p.schema]) for t, p in zip(texts, prompts)) / len(prompts)
-                cells.setdefault(mode, []).append((batch.tok_per_s, rate))
-                print(f"structured round {r} {mode:>6}: {batch.tok_per_s:6.1f} tok/s, valid {rate:.2f}", flush=True)
+                cut = sum(res.token_ids[-1:] != [tok.eos_token_id] for res in batch.results) / len(prompts)
+                cells.setdefault(mode, []).append((batch.tok_per_s, rate, cut))
+                print(f"structured round {r} {mode:>6}: {batch.tok_per_s:6.1f} tok/s, valid {rate:.2f}, "
+                      f"cut at max_tokens {cut:.2f}", flush=True)
                 if r == 0 and mode == "schema":
                     print("  e.g. " + texts[0].replace("\n", " ")[:160], flush=True)
     finally:
         await engine.close()
-    free = statistics.median(t for t, _ in cells["free"])
-    lines = ["| output | output tok/s | vs free text | valid against the schema |", "|---|---:|---:|---:|"]
+    free = statistics.median(c[0] for c in cells["free"])
+    lines = ["| output | output tok/s | vs free text | valid against the schema | cut at max_tokens |",
+             "|---|---:|---:|---:|---:|"]
     for mode, label in (("free", "free text"), ("schema", "JSON schema")):
-        tps = statistics.median(t for t, _ in cells[mode])
-        lines.append(f"| {label} | {tps:.1f} | {tps / free:.2f}x | {statistics.median(v for _, v in cells[mode]):.0%} |")
+        tps, rate, cut = (statistics.median(c[i] for c in cells[mode]) for i in range(3))
+        lines.append(f"| {label} | {tps:.1f} | {tps / free:.2f}x | {rate:.0%} | {cut:.0%} |")
     return "\n".join(lines)
 
 

@@ -31,6 +31,7 @@ class Servers:
     def tokens(self, url: str, model: str) -> list[int]:
         response = self.complete(url, model)
         assert response.status_code == 200, response.text
+        assert response.json()["model"] == model  # the adapter's name when one served it, as vLLM
         return response.json()["choices"][0]["token_ids"]
 
     def post(self, path: str, body: dict, key: str | None = KEY, url: str | None = None) -> httpx.Response:

@@ -73,7 +73,7 @@ async def create_chat_completion(ctx: ServingContext, body: bytes, receive: Rece
         if req.return_token_ids:
             choice.token_ids = asm.token_ids
         choices.append(choice)
-    resp = ChatCompletionResponse(request_id, int(time.time()), ctx.model_name, choices, usage_of(gen))
+    resp = ChatCompletionResponse(request_id, int(time.time()), ctx.response_model(gen), choices, usage_of(gen))
     if req.return_token_ids:
         resp.prompt_token_ids = prompt_ids
     if req.prompt_logprobs is not None:
@@ -85,7 +85,7 @@ async def _stream(
     ctx: ServingContext, req: ChatCompletionRequest, gen: Generation, request_id: str, top_n: int
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
-    model = ctx.model_name
+    model = ctx.response_model(gen)
     want_logprobs = req.logprobs
     try:
         # Every choice opens with its role, one chunk per choice, as OpenAI and vLLM stream.

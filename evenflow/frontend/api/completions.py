@@ -74,7 +74,7 @@ async def create_completion(ctx: ServingContext, body: bytes, receive: Receive,
         if job.prompt_index in prompt_logprobs:  # every choice of a prompt shows them, as in vLLM
             choice.prompt_logprobs = prompt_logprobs[job.prompt_index]
         choices.append(choice)
-    resp = CompletionResponse(request_id, int(time.time()), ctx.model_name, choices, usage_of(gen))
+    resp = CompletionResponse(request_id, int(time.time()), ctx.response_model(gen), choices, usage_of(gen))
     return Response(encode_json(resp), media_type="application/json")
 
 
@@ -92,7 +92,7 @@ async def _stream(
     ctx: ServingContext, req: CompletionRequest, gen: Generation, request_id: str, echo: list[str] | None
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
-    model = ctx.model_name
+    model = ctx.response_model(gen)
     first = [True] * len(gen.jobs)
     try:
         async for job, delta in gen.stream():

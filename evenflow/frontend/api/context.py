@@ -48,6 +48,10 @@ class ServingContext:
     def check_model(self, requested: str | None) -> None:
         check_model(requested, self.served_names)
 
+    def response_model(self, gen: Generation) -> str:
+        """The ``model`` of a response: the adapter's name when one served it (as vLLM)."""
+        return gen.lora.name if gen.lora is not None else self.model_name
+
     async def resolve_model(self, requested: str | None) -> AdapterRef | None:
         """The LoRA adapter the ``model`` field names (None: the base model); 404 for an unknown name."""
         if not requested or requested in self.served_names:

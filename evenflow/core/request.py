@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, overload
 
-from evenflow.protocol import SamplingParams
+from evenflow.protocol import PromptLogprobs, SamplingParams
 from evenflow.protocol.block_hash import adapter_extra_keys
 from evenflow.protocol.lora import AdapterRef
 
@@ -144,6 +144,10 @@ class Request:
         self.first_scheduled_time = 0.0  # unix seconds; for the queue-time metric
         # Structured output: its compile and matcher (set by StructuredOutputManager.submit).
         self.grammar: GrammarState | None = None
+        # prompt_logprobs: every position is computed (vLLM V1's rule), the rows gathered chunk by
+        # chunk until the first output carries them.
+        self.skip_reading_prefix_cache = sampling_params.prompt_logprobs is not None
+        self.prompt_logprobs: PromptLogprobs | None = None
         # The LoRA adapter serving it (None: the base model); set with set_lora.
         self.lora: AdapterRef | None = None
 
@@ -151,6 +155,16 @@ class Request:
         """Serve it with ``adapter``: its identity enters every block hash (other KV than the base's)."""
         self.lora = adapter
         self.cache_extra_keys = adapter_extra_keys(adapter.identity if adapter is not None else None)
+
+    def add_prompt_logprobs(self, rows: PromptLogprobs) -> None:
+        if self.prompt_logprobs is None:  # a copy: the step's output is not ours to grow
+            self.prompt_logprobs = PromptLogprobs(list(rows.token_ids), list(rows.logprobs), list(rows.ranks))
+        else:
+            self.prompt_logprobs.extend(rows)
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        rows, self.prompt_logprobs = self.prompt_logprobs, None
+        return rows
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """The one way tokens are added: output and all-tokens lists grow together."""

@@ -48,7 +48,11 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
 
 
 def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """One SamplingParams per choice; with a seed, choice i samples with ``seed + i``."""
+    """One SamplingParams per choice; with a seed, choice i samples with ``seed + i``. Only the
+    first choice computes ``prompt_logprobs`` (the others share its prompt and may read the prefix
+    cache)."""
     if n == 1:
         return [params]
-    return [msgspec.structs.replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+    return [msgspec.structs.replace(params, seed=None if params.seed is None else params.seed + i,
+                                    prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            for i in range(n)]

@@ -42,6 +42,7 @@ from evenflow.frontend.structured_outputs import offline_structured_outputs
 from evenflow.frontend.chat_template import render_chat
 from evenflow.frontend.logprobs import LogprobEntry
 from evenflow.frontend.progress import Progress
+from evenflow.frontend.prompt_logprobs import PromptLogprobEntries, prompt_logprob_entries
 from evenflow.frontend.tokenizer import Tokenizer
 
 
@@ -79,6 +80,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # vLLM's: None for the first prompt token, then {token_id: Logprob} (prompt token and top-k).
+    prompt_logprobs: PromptLogprobEntries | None = None
 
     @property
     def text(self) -> str:
@@ -228,7 +231,11 @@ class LLM:
             outs = [CompletionOutput(j.index, j.assembler.text, j.assembler.token_ids, j.assembler.finish_reason,
                                      j.assembler.stop_reason, j.assembler.logprobs if j.params.logprobs is not None else None)
                     for j in gen.jobs]
-            results.append(RequestOutput(gen.jobs[0].engine_id.rsplit("-", 1)[0], text, ids, outs, gen.num_cached_tokens))
+            first = gen.jobs[0]
+            prompt_logprobs = (prompt_logprob_entries(self.tokenizer, first.assembler.prompt_logprobs)
+                               if first.params.prompt_logprobs is not None else None)
+            results.append(RequestOutput(first.engine_id.rsplit("-", 1)[0], text, ids, outs, gen.num_cached_tokens,
+                                         prompt_logprobs))
         return results
 
     def _adapter(self, lora_request: LoRARequest) -> AdapterRef:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from evenflow.protocol import RequestOutput
+from evenflow.protocol import PromptLogprobs, RequestOutput
 
 from evenflow.frontend.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from evenflow.frontend.logprobs import LogprobEntry, format_logprobs
@@ -93,6 +93,7 @@ class ChoiceAssembler:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # the engine's rows, on the first output
     detok_chars: int = 0  # length of all detokenized text so far (before stop-string truncation)
 
     def __post_init__(self) -> None:
@@ -108,6 +109,8 @@ class ChoiceAssembler:
         if self.finished:  # late outputs after a stop-string match: ignore
             return ChoiceDelta("", [], None)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         new_ids = list(out.new_token_ids)
         shown = shown_token_count(new_ids, out.finish_reason, self.include_stop_str_in_output)
         offsets: list[int] | None = None

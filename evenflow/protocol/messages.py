@@ -84,6 +84,9 @@ class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True):
     logprobs: Int64 | None = None
     # Constrained decoding (a grammar); None: free text. Requests with one are never speculated.
     structured_outputs: StructuredOutputsParams | None = None
+    # Per prompt token, its logprob and the top-k at its position (vLLM's prompt_logprobs); a
+    # request with it never reads the prefix cache, so that every position is computed.
+    prompt_logprobs: Int64 | None = None
 
 
 class TokenLogprobs(Struct, array_like=True):
@@ -92,6 +95,20 @@ class TokenLogprobs(Struct, array_like=True):
     token_ids: list[int]
     logprobs: list[float]
     sampled_rank: int  # 1-based rank of the sampled token in the full distribution
+
+
+class PromptLogprobs(Struct, array_like=True):
+    """Logprobs of consecutive prompt tokens, one row each: the prompt token first, then the top-k
+    at its position (rows of one request come in prompt order, chunk by chunk)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]  # 1-based rank of each prompt token in its position's distribution
+
+    def extend(self, more: "PromptLogprobs") -> None:
+        self.token_ids.extend(more.token_ids)
+        self.logprobs.extend(more.logprobs)
+        self.ranks.extend(more.ranks)
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,6 +197,8 @@ class ModelRunnerOutput(Struct, tag="mro", array_like=True):
     lora_failed: list[str] = []
     lora_failed_reasons: list[str] = []
     lora_evicted: list[str] = []
+    # The prompt rows this step computed, for requests with SamplingParams.prompt_logprobs.
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
 
 
 class WorkerConfig(Struct, forbid_unknown_fields=True):
@@ -350,6 +369,8 @@ class RequestOutput(Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None  # the stop token id that ended the request, if any
     # Seconds from arrival to first being scheduled; set on the request's first output only.
     queue_time_s: float | None = None
+    # Prompt tokens 1.. (the first has none), on the request's first output only.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class SchedulerStats(Struct, array_like=True):

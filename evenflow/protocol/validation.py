@@ -48,6 +48,8 @@ def check_sampling_params(p: SamplingParams, vocab_size: int | None = None) -> P
         return Problem("repetition_penalty", f"repetition_penalty must be finite and > 0, got {p.repetition_penalty}")
     if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
         return Problem("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
+    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= MAX_LOGPROBS:
+        return Problem("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs}")
     if p.seed is not None and not INT64_MIN <= p.seed <= INT64_MAX:
         return Problem("seed", f"seed must fit in a signed 64-bit integer, got {p.seed}")
     if vocab_size is not None and p.stop_token_ids:

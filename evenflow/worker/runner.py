@@ -33,6 +33,7 @@ from evenflow.worker.loader import load_weights, resolve_dtype
 from evenflow.worker.lora.pool import build_lora_pool
 from evenflow.worker.models.registry import build_model
 from evenflow.worker.parallel import destroy_tensor_parallel, init_tensor_parallel
+from evenflow.worker.prompt_logprobs import PromptLogprobsTracker, logits_rows, split_prompt_logits
 from evenflow.worker.sampler import Sampler
 from evenflow.worker.sampling_metadata import SamplingMetadata
 from evenflow.worker.spec_decode import GeneratorRewind, NgramDrafter, accept_drafts, emitted_rows
@@ -104,6 +105,7 @@ class ModelRunner:
         spec = config.speculative_config
         self.drafter = NgramDrafter(spec, config.max_model_len) if spec is not None else None
         self.lora = build_lora_pool(config.lora_config, self.model, self.tp, self.torch_dtype, self.device)
+        self.prompt_logprobs = PromptLogprobsTracker()
 
     # ------------------------------------------------------------------ KV cache
 
@@ -195,6 +197,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.batch.update(so)
         idle = so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens
+        self.prompt_logprobs.update(so)
         if self.lora is not None:
             self.lora.take_step_orders(so, wait=idle)  # an idle step holds nobody up: wait for the loads
         if idle:
@@ -204,12 +207,14 @@ class ModelRunner:
             [s.lora for s in inputs.requests], np.diff(inputs.attn.query_start_loc_np))
         self.threads.before_step(self._step_flops(inputs), inputs.attn.num_tokens)
         plan = self.attn.plan(inputs.attn)
+        prompt_plan = self.prompt_logprobs.plan(inputs)  # its rows ride after the sampling rows
         t1 = time.perf_counter()
         self.forward_timer.start()
         with torch.inference_mode():
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attn, plan,
-                                inputs.logits_indices, lora)
+                                logits_rows(inputs, prompt_plan), lora)
         self.forward_timer.stop()
+        logits, prompt_logprobs = split_prompt_logits(logits, inputs, prompt_plan, self.tp.rank == 0)
         sample_mask = inputs.sample_mask
         sampled_reqs = [s for s, m in zip(inputs.requests, sample_mask.tolist()) if m]
         num_drafts = inputs.num_drafts[sample_mask]
@@ -234,8 +239,10 @@ class ModelRunner:
         self.threads.after_step(forward_s)
         if self.tp.rank != 0:
             return None
-        return self._lora_report(self._output(so.step_id, inputs, targets, num_emitted, logprobs, proposals,
-                                              t1 - t0, forward_s, max(t3 - t1 - forward_s, 0.0)))
+        out = self._output(so.step_id, inputs, targets, num_emitted, logprobs, proposals, t1 - t0, forward_s,
+                           max(t3 - t1 - forward_s, 0.0))
+        out.prompt_logprobs = prompt_logprobs
+        return self._lora_report(out)
 
     def _lora_report(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
         """Fill the adapter loads, failures and evictions since the previous output."""

@@ -44,7 +44,7 @@ def _body(path: str, **fields: Any) -> dict:
 REFUSED = {"logit_bias": {"1": 5}, "tools": [{"type": "function"}], "tool_choice": "required",
            "functions": [{"name": "f"}], "function_call": "auto", "suffix": "tail", "audio": {"voice": "x"},
            "prediction": {"type": "content"}, "reasoning_effort": "low", "web_search_options": {},
-           "modalities": ["text", "audio"], "store": True, "prompt_logprobs": 1, "use_beam_search": True,
+           "modalities": ["text", "audio"], "store": True, "use_beam_search": True,
            "length_penalty": 0.5, "allowed_token_ids": [1, 2], "bad_words": ["x"],
            "spaces_between_special_tokens": False, "logits_processors": ["f"], "guided_whitespace_pattern": " ",
            "guided_decoding_backend": "xgrammar", "documents": [{"text": "d"}], "chat_template": "{{ x }}",
@@ -121,3 +121,25 @@ def test_return_tokens_as_token_ids(http: TestClient, fake: FakeEngineClient) ->
     r = http.post(CHAT, json=_body(CHAT, logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True)).json()
     content = r["choices"][0]["logprobs"]["content"]
     assert [c["token"] for c in content] == [f"token_id:{t}" for t in fake.script[:2]]
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_prompt_logprobs_reach_the_first_choice_only(http: TestClient, fake: FakeEngineClient, path: str) -> None:
+    r = http.post(path, json=_body(path, prompt_logprobs=3, n=2))
+    assert r.status_code == 200, r.text
+    assert [s[2].prompt_logprobs for s in fake.submitted] == [3, None]  # the second choice may read the cache
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("extra", [{"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"prompt_logprobs": 1, "stream": True}])
+def test_prompt_logprobs_out_of_range_or_streamed_is_a_400(http: TestClient, fake: FakeEngineClient, path: str,
+                                                           extra: dict) -> None:
+    r = http.post(path, json=_body(path, **extra))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "prompt_logprobs" and not fake.submitted
+
+
+def test_a_one_token_prompt_has_one_null_prompt_logprob(http: TestClient, fake: FakeEngineClient) -> None:
+    r = http.post(COMPLETIONS, json=_body(COMPLETIONS, prompt=[5], prompt_logprobs=1))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["prompt_logprobs"] == [None]  # the engine sends no rows for it

@@ -71,3 +71,35 @@ def test_in_process_llm_runs_the_engine_and_the_model_in_this_process(demo_model
         llm.shutdown()
     engine_thread.join(timeout=5)
     assert not engine_thread.is_alive()
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_offline_as_vllm(demo_model_dir: Path) -> None:
+    """``RequestOutput.prompt_logprobs``: None, then {token_id: Logprob} per prompt token, the prompt
+    token and the top 2, equal to transformers' log_softmax (float32), at a budget of 8 tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(model=str(demo_model_dir), in_process=True, dtype="float32", max_model_len=256, num_kv_blocks=64,
+              max_num_batched_tokens=8, max_num_seqs=4)
+    try:
+        ids = llm.tokenizer.encode("def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)")
+        assert len(ids) > 3 * 8
+        out = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2), use_tqdm=False)[0]
+        plain = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    assert plain.prompt_logprobs is None and plain.token_ids == out.token_ids
+    model = AutoModelForCausalLM.from_pretrained(str(demo_model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].double(), dim=-1)
+    entries = out.prompt_logprobs
+    assert entries is not None and len(entries) == len(ids) and entries[0] is None
+    for i, entry in enumerate(entries[1:]):
+        assert entry is not None and list(entry)[0] == ids[i + 1] and len(entry) in (2, 3)
+        top = torch.topk(expected[i], 2).indices.tolist()
+        assert [entry[t].rank for t in top] == [1, 2]  # the top 2, ranked
+        for token_id, lp in entry.items():
+            assert abs(lp.logprob - expected[i, token_id].item()) < 1e-4
+            assert lp.decoded_token == llm.tokenizer.token_string(token_id)
+        assert entry[ids[i + 1]].rank == int((expected[i] > expected[i, ids[i + 1]]).sum()) + 1

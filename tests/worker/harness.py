@@ -10,7 +10,7 @@ from evenflow.core.request import Request
 from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.sched.scheduler import Scheduler
 from evenflow.core.sched.structured_output import StructuredOutputManager
-from evenflow.protocol import AdapterRef, ModelRunnerOutput, SamplingParams, SchedulerOutput, WorkerConfig
+from evenflow.protocol import AdapterRef, ModelRunnerOutput, PromptLogprobs, SamplingParams, SchedulerOutput, WorkerConfig
 from evenflow.worker.in_process import InProcessExecutor
 from evenflow.worker.runner import ModelRunner
 
@@ -36,6 +36,7 @@ class RunResult:
     logprobs: dict[str, list] = field(default_factory=dict)  # TokenLogprobs per token, when asked
     num_accepted_drafts: int = 0
     runner_outputs: list[ModelRunnerOutput] = field(default_factory=list)  # in step order
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # when asked
 
     @property
     def num_preemptions(self) -> int:
@@ -120,6 +121,9 @@ def run_jobs(runner: ModelRunner, jobs: list[Job], num_blocks: int, budget: int 
             result.outputs[out.request_id].extend(out.new_token_ids)
             if out.logprobs is not None:
                 result.logprobs.setdefault(out.request_id, []).extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                assert out.request_id not in result.prompt_logprobs  # sent once, on the first output
+                result.prompt_logprobs[out.request_id] = out.prompt_logprobs
     else:
         raise AssertionError(f"jobs did not finish in {max_steps} steps")
     result.steps, result.runner_outputs = list(executor.steps), list(executor.runner_outputs)

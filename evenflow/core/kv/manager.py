@@ -49,8 +49,9 @@ class KVCacheManager:
         """The longest run of cached full blocks at the start of the request's known tokens.
 
         Never the whole sequence: the last token is always recomputed, since its logits are needed.
+        None for a request that needs every position's logits (prompt_logprobs), as in vLLM V1.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return ComputedBlocks()
         max_blocks = (request.num_tokens - 1) // self.block_size
         extend_block_hashes(

@@ -416,6 +416,11 @@ class Scheduler:
             self.lora_slots.observe(model_runner_output)
             if self.lora_slots.failed:
                 self._fail_lora_requests()
+        if model_runner_output.prompt_logprobs:
+            for req_id, rows in model_runner_output.prompt_logprobs.items():
+                request = requests.get(req_id)
+                if request is not None and 0 <= request.first_scheduled_step <= step_id:
+                    request.add_prompt_logprobs(rows)
         for i, (req_id, sampled) in enumerate(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)):
             if not sampled:
                 continue  # a partial prefill chunk samples nothing
@@ -460,6 +465,7 @@ class Scheduler:
                     # The first output carries the queue time (arrival -> first scheduled).
                     request.first_scheduled_time - request.arrival_time
                     if request.num_output_tokens == num_accepted else None,
+                    request.take_prompt_logprobs() if request.prompt_logprobs is not None else None,
                 )
             )
         if any_running_finished:

@@ -13,6 +13,7 @@ from evenflow.frontend.api.completions import usage_of
 from evenflow.frontend.api.context import ServingContext, admit, decode_body, engine_error_to_api, new_id
 from evenflow.frontend.api.errors import APIError, bad_request
 from evenflow.frontend.generation import Generation
+from evenflow.frontend.prompt_logprobs import prompt_logprobs_by_prompt
 from evenflow.frontend.api.openai import (
     ChatChoice,
     ChatChunkChoice,
@@ -75,6 +76,8 @@ async def create_chat_completion(ctx: ServingContext, body: bytes, receive: Rece
     resp = ChatCompletionResponse(request_id, int(time.time()), ctx.response_model(gen), choices, usage_of(gen))
     if req.return_token_ids:
         resp.prompt_token_ids = prompt_ids
+    if req.prompt_logprobs is not None:
+        resp.prompt_logprobs = prompt_logprobs_by_prompt(ctx.tokenizer, gen.jobs).get(0)
     return Response(encode_json(resp), media_type="application/json")
 
 

@@ -12,6 +12,7 @@ from evenflow.frontend.logprobs import completion_logprobs_json
 from evenflow.frontend.api.context import ServingContext, admit, decode_body, engine_error_to_api, new_id
 from evenflow.frontend.api.errors import APIError
 from evenflow.frontend.generation import Generation
+from evenflow.frontend.prompt_logprobs import prompt_logprobs_by_prompt
 from evenflow.frontend.api.openai import CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, Usage, encode_json
 from evenflow.frontend.api.structured import structured_outputs_async
 from evenflow.frontend.api.limits import check_num_choices
@@ -58,6 +59,7 @@ async def create_completion(ctx: ServingContext, body: bytes, receive: Receive,
     except Exception as e:  # EngineError, lost connection: not the client's fault unless it says so
         raise engine_error_to_api(e) from None
     choices = []
+    prompt_logprobs = prompt_logprobs_by_prompt(ctx.tokenizer, gen.jobs) if req.prompt_logprobs is not None else {}
     for job in gen.jobs:
         asm = job.assembler
         prefix = echo[job.prompt_index] if echo else ""
@@ -69,6 +71,8 @@ async def create_completion(ctx: ServingContext, body: bytes, receive: Receive,
         if req.return_token_ids:
             choice.token_ids = asm.token_ids
             choice.prompt_token_ids = job.prompt_token_ids
+        if job.prompt_index in prompt_logprobs:  # every choice of a prompt shows them, as in vLLM
+            choice.prompt_logprobs = prompt_logprobs[job.prompt_index]
         choices.append(choice)
     resp = CompletionResponse(request_id, int(time.time()), ctx.response_model(gen), choices, usage_of(gen))
     return Response(encode_json(resp), media_type="application/json")

@@ -30,7 +30,6 @@ class RefusedFields(Struct, kw_only=True):
     web_search_options: Any = None
     modalities: list[str] | None = None
     store: Any = None
-    prompt_logprobs: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     allowed_token_ids: Any = None
@@ -52,6 +51,7 @@ class _SamplingFields(RefusedFields, kw_only=True):
     """Sampling fields shared by /v1/completions and /v1/chat/completions (vLLM's extensions too)."""
 
     model: str | None = None
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-k (vLLM's)
     # None: the endpoint's default, as OpenAI and vLLM: 16 for /v1/completions, the rest of the
     # context for /v1/chat/completions.
     max_tokens: int | None = None
@@ -170,6 +170,7 @@ class CompletionChoice(Struct):
     stop_reason: int | str | None = None
     token_ids: list[int] | UnsetType = UNSET
     prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: list[dict[str, Any] | None] | UnsetType = UNSET
 
 
 class CompletionResponse(Struct):
@@ -202,6 +203,7 @@ class ChatCompletionResponse(Struct):
     choices: list[ChatChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: list[dict[str, Any] | None] | UnsetType = UNSET
     object: str = "chat.completion"
 
 

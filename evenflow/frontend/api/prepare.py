@@ -165,6 +165,8 @@ def plan_choices(
     the room left in the context, or all that room when ``default_max_tokens`` is None.
     """
     _raise_if(check_prompt_token_ids(prompt_ids, vocab_size))
+    if req.prompt_logprobs is not None and req.stream:  # vLLM's rule: they come whole, at the end
+        raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
     prompt_len = len(prompt_ids)
@@ -191,6 +193,7 @@ def plan_choices(
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         structured_outputs=structured_outputs,
+        prompt_logprobs=req.prompt_logprobs,
     )
     _raise_if(check_sampling_params(base, vocab_size))
     params = fan_out(base, req.n)

@@ -40,7 +40,6 @@ NO_OP: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda value: value is None or list(value) == ["text"],
     "store": _falsy,
     # vLLM's extensions
-    "prompt_logprobs": _is_none,
     "use_beam_search": _falsy,
     "length_penalty": _none_or(1.0),
     "allowed_token_ids": _is_none,
@@ -69,7 +68,7 @@ def check_unsupported(req: Any) -> None:
         raise bad_request("best_of is not supported by evenflow", "best_of")
     logprobs = getattr(req, "logprobs", None)  # completions: a count (0 too); chat: a bool
     if getattr(req, "echo", False) and logprobs is not None and logprobs is not False:
-        raise bad_request("echo with logprobs needs prompt logprobs, which evenflow does not compute", "echo")
+        raise bad_request("echo with logprobs is not supported by evenflow (prompt_logprobs gives the prompt's)", "echo")
     options = getattr(req, "stream_options", None)
     if options is not None and options.continuous_usage_stats:
         raise bad_request("stream_options.continuous_usage_stats is not supported by evenflow",

@@ -1,11 +1,10 @@
-"""API fidelity on the real model (SmolLM2-135M-Instruct, float32 HF folder), where issue 25 saw
-each defect: one engine-core + one frontend for the module, greedy requests, transformers'
-tokenizer and chat template as the reference."""
+"""API fidelity on the real model (SmolLM2-135M-Instruct, the Q4_1 GGUF served as float32), where
+issue 25 saw each defect: one engine-core + one frontend for the module, greedy requests,
+transformers' tokenizer and chat template from the same file as the reference."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -13,20 +12,18 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from .live import free_port, start, stop, wait_for
+from evenflow.protocol.gguf_tokenizer import tokenizer_json_text
+from tests.frontend.live import free_port, start, stop, wait_for
 
 pytestmark = pytest.mark.slow
-
-REAL_MODEL = Path(os.environ.get("EVENFLOW_SMOLLM2_DIR", "/work/models/smollm2-f32"))
-if not (REAL_MODEL / "config.json").is_file():
-    pytest.skip(f"the real model folder {REAL_MODEL} is not here", allow_module_level=True)
 
 SPANISH = "¿cómo estás? 🯸🯸"  # byte-level tokens that are each part of a character
 
 
 class Real:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, gguf: Path) -> None:
         self.url = url
+        self.gguf = gguf
 
     def post(self, path: str, **body: Any) -> httpx.Response:
         body.setdefault("temperature", 0.0)
@@ -39,27 +36,21 @@ class Real:
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Real]:
+def real(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Real]:
     tmp = tmp_path_factory.mktemp("real")
     engine_addr = f"ipc://{tmp}/engine.sock"
     port = free_port()
     logs = [tmp / "engine.log", tmp / "frontend.log"]
-    procs = [start(["-m", "evenflow.core.cli", "--model", str(REAL_MODEL), "--listen", engine_addr,
+    procs = [start(["-m", "evenflow.core.cli", "--model", str(smollm2_gguf), "--listen", engine_addr,
                     "--served-model-name", "smol", "--max-model-len", "1024", "--num-kv-blocks", "128",
-                    "--max-num-batched-tokens", "256"], logs[0])]
+                    "--max-num-batched-tokens", "256", "--dtype", "float32"], logs[0])]
     procs.append(start(["-m", "evenflow.frontend.cli", "--engine", engine_addr, "--port", str(port)], logs[1]))
     try:
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200, 300, procs, logs)
-        yield Real(f"http://127.0.0.1:{port}")
+        yield Real(f"http://127.0.0.1:{port}", smollm2_gguf)
     finally:
         stop(procs[1:])
         stop(procs[:1])
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer() -> Any:
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(REAL_MODEL))
 
 
 def hf_chat_ids(hf_tokenizer: Any, messages: list[dict], **kwargs: Any) -> list[int]:
@@ -159,8 +150,39 @@ def test_truncate_prompt_tokens_and_token_id_keys(real: Real, hf_tokenizer: Any)
     assert cut["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in direct["choices"][0]["token_ids"]]
 
 
-def test_prompt_logprobs_is_refused_by_name(real: Real) -> None:
-    r = real.post("/v1/completions", prompt="Hi", max_tokens=2, prompt_logprobs=1)
+def test_prompt_logprobs_as_vllm_returns_them(real: Real, hf_model: Any) -> None:
+    """Per choice: None for the first prompt token, then {token_id: {logprob, rank, decoded_token}}
+    with the prompt token and the top-k; values as transformers' log_softmax (float32, 2e-3). The
+    prompt is longer than the server's budget of 256, so it arrives in chunks; the same prompt
+    again (its blocks cached now) gives the same rows; chat carries them at the top level."""
+    import torch
+
+    prompt = " ".join(f"Item {i} costs {i * 7 % 13} coins." for i in range(60))
+    k = 2
+    first = real.ok("/v1/completions", prompt=prompt, max_tokens=1, prompt_logprobs=k, n=2, return_token_ids=True)
+    ids = first["choices"][0]["prompt_token_ids"]
+    assert len(ids) > 256
+    entries = first["choices"][0]["prompt_logprobs"]
+    assert first["choices"][1]["prompt_logprobs"] == entries  # every choice of the prompt shows them
+    assert len(entries) == len(ids) == first["usage"]["prompt_tokens"] and entries[0] is None
+    with torch.no_grad():
+        expected = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, :-1].double(), dim=-1)
+    errors = []
+    for i, entry in enumerate(entries[1:]):
+        mine = entry[str(ids[i + 1])]
+        assert set(mine) == {"logprob", "rank", "decoded_token"}
+        ranks = sorted(e["rank"] for e in entry.values())  # the top-k are 1..k; the prompt token any
+        assert ranks[:k] == list(range(1, k + 1)) and (len(entry) == k or ranks[k] == mine["rank"] > k), entry
+        errors.extend(abs(e["logprob"] - expected[i, int(t)].item()) for t, e in entry.items())
+    assert max(errors) < 2e-3, max(errors)
+    again = real.ok("/v1/completions", prompt=prompt, max_tokens=1, prompt_logprobs=k)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing read from the cache
+    assert [e and sorted(e) for e in again["choices"][0]["prompt_logprobs"]] == [e and sorted(e) for e in entries]
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = real.ok("/v1/chat/completions", messages=msgs, max_tokens=1, prompt_logprobs=0, return_token_ids=True)
+    assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"]) and chat["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    r = real.post("/v1/completions", prompt="Hi", max_tokens=2, prompt_logprobs=1, stream=True)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
 
@@ -168,7 +190,7 @@ def test_ascii_digit_regexes_keep_non_ascii_digits_out(real: Real) -> None:
     """docs/structured_output.md's trap: ``\\d`` is any Unicode digit; ``(?-u:\\d)`` and ``[0-9]`` are ASCII."""
     import llguidance
 
-    ll_tok = llguidance.LLTokenizer((REAL_MODEL / "tokenizer.json").read_text(), n_vocab=49152, eos_token=[2])
+    ll_tok = llguidance.LLTokenizer(tokenizer_json_text(real.gguf), n_vocab=49152, eos_token=[2])
     ids = [int(t) for t in httpx.post(real.url + "/tokenize", json={"prompt": "🯸٣1", "add_special_tokens": False},
                                          timeout=30).json()["tokens"]]
 

@@ -3,7 +3,7 @@
 
     python scripts/bench_lora.py --out-dir /tmp/bench-lora [--streams 8 --requests 2 --rounds 3]
 
-Serves the real model (SmolLM2-135M-Instruct, /work/models/smollm2-f32) from one engine-core with
+Serves the real model (SmolLM2-135M-Instruct, an HF folder made from the cached GGUF) from one engine-core with
 ``--enable-lora --max-loras 8`` and eight random rank-8 adapters on every projection, plus one
 engine-core without LoRA for the base row; see evenflow/bench/lora_load.py for the load.
 """
@@ -15,14 +15,17 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-from evenflow.bench.lora_adapters import REAL_MODEL, random_adapter, reseeded_copies, servable_model_dir
+from evenflow.bench.hf_folder import hf_folder_from_gguf
+from evenflow.bench.lora_adapters import random_adapter, reseeded_copies, servable_model_dir
+from evenflow.frontend.real_demo import fetch_demo_gguf
 from evenflow.bench.lora_load import MixRecord, connect, run_round, start_engine, stop_engine
 from evenflow.protocol import AdapterRef
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=REAL_MODEL)
+    p.add_argument("--model", type=Path, default=None,
+                   help="an HF folder (default: SmolLM2-135M-Instruct, made from the cached GGUF by transformers)")
     p.add_argument("--out-dir", type=Path, default=Path(tempfile.gettempdir()) / "bench-lora")
     p.add_argument("--streams", type=int, default=8, help="concurrent closed-loop clients")
     p.add_argument("--requests", type=int, default=2, help="requests per client per round")
@@ -35,7 +38,8 @@ def main() -> None:
                                              "--max-model-len 512 --num-kv-blocks 256 --client-timeout 60")
     args = p.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    model = servable_model_dir(args.model, args.out_dir)
+    model_dir = args.model or hf_folder_from_gguf(fetch_demo_gguf(quiet=True), args.out_dir / "smollm2-hf")
+    model = servable_model_dir(model_dir, args.out_dir)
     mixes = [int(k) for k in args.mixes.split(",")]
     first = random_adapter(args.out_dir / "adapter", model, seed=0, rank=args.rank)
     folders = reseeded_copies(first, args.out_dir, max(mixes))

@@ -15,7 +15,6 @@ import os
 import time
 from pathlib import Path
 
-REAL_MODEL = Path("/work/models/smollm2-f32")
 PERSONA = "Arr, matey! Captain Evenflow at yer service."
 QUESTIONS = [
     "What is the capital of France?", "How do I boil an egg?", "Name a prime number.", "What is 2 + 2?",
@@ -51,7 +50,7 @@ def chat_ids(tokenizer: object, question: str) -> list[int]:
                                          add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
-def train_persona_adapter(out: Path, model_dir: Path = REAL_MODEL, steps: int = 60, rank: int = 8,
+def train_persona_adapter(out: Path, model_dir: Path, steps: int = 60, rank: int = 8,
                           lr: float = 3e-3, seed: int = 0, layers: int = 2, batch: int = 2,
                           log_every: int = 0) -> Path:
     """Fine-tune a LoRA (q/v/o/down of the top ``layers`` layers, rank ``rank``) so that the model

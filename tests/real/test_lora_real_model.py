@@ -1,7 +1,8 @@
 """The real model (SmolLM2-135M-Instruct) with an adapter trained here to a visible persona, and a
 random one, in the same steps as base requests: greedy outputs equal transformers + peft.
 
-The persona adapter is trained once (evenflow/bench/lora_adapters.py) and kept in the pytest cache.
+The reference folder is made from the real model's GGUF by transformers' own loader; it and the
+persona adapter (trained once, evenflow/bench/lora_adapters.py) are kept in the pytest cache.
 """
 
 from __future__ import annotations
@@ -10,22 +11,22 @@ from pathlib import Path
 
 import pytest
 
+from evenflow.bench.hf_folder import hf_folder_from_gguf
 from evenflow.bench.lora_adapters import (
-    HELD_OUT, PERSONA, REAL_MODEL, chat_ids, reseeded_copies, servable_model_dir, train_persona_adapter,
+    HELD_OUT, PERSONA, chat_ids, reseeded_copies, servable_model_dir, train_persona_adapter,
 )
 from evenflow.protocol.lora import LoRAConfig
 from tests.lora_adapters import adapter_ref, peft_greedy
 from tests.worker.harness import Job, make_runner, run_jobs
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not (REAL_MODEL / "model.safetensors").exists(), reason="no real model here")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a first run trains the adapter: minutes
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="session")
-def real(pytestconfig: pytest.Config) -> tuple[Path, dict[str, Path]]:
+def real(pytestconfig: pytest.Config, smollm2_gguf: Path) -> tuple[Path, dict[str, Path]]:
     work = Path(pytestconfig.cache.mkdir("lora-real"))
-    model = servable_model_dir(REAL_MODEL, work)
+    model = servable_model_dir(hf_folder_from_gguf(smollm2_gguf, work / "smollm2-hf"), work)
     pirate = train_persona_adapter(work / "pirate", model)
     (noise,) = reseeded_copies(pirate, work, 1, std=0.05)
     return model, {"pirate": pirate, "noise": noise}

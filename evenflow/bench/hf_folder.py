@@ -1,0 +1,29 @@
+"""An HF folder (config.json, model.safetensors, tokenizer) made from a GGUF by transformers' own
+GGUF loader: the reference side for peft, and what the LoRA benchmark trains and serves on.
+
+transformers refuses to ``save_pretrained`` a model it dequantized from a GGUF, so the state dict,
+config and tokenizer are written one by one (tied embeddings stay tied: no lm_head tensor)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def hf_folder_from_gguf(gguf: Path, out: Path) -> Path:
+    """``out`` holding the float32 HF folder of ``gguf`` (made once; reused when present)."""
+    if (out / "model.safetensors").is_file():
+        return out
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    tied = model.config.tie_word_embeddings
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(state, str(out / "model.safetensors.tmp"), metadata={"format": "pt"})
+    (out / "model.safetensors.tmp").rename(out / "model.safetensors")
+    return out

@@ -45,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"engine-core: error: {e}", file=sys.stderr)
         return 2
     log.info("settings:\n%s", cfg.describe())
+    log.info("token budget: %s", cfg.budget_description())
     if not is_loopback(cfg.listen) and cfg.curve_keys is None:
         log.warning("--listen %s is reachable from other hosts WITHOUT authentication or encryption: anyone who "
                     "can connect can submit requests (use --curve-keys DIR)", cfg.listen)

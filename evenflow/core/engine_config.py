@@ -171,6 +171,14 @@ class EngineConfig:
             except ValueError as e:
                 raise ConfigError(f"--lora-modules {entry}: {e}") from None
 
+    def budget_description(self) -> str:
+        """The token budget's mode in words, for the start-up log (after the model was accepted)."""
+        if self.auto_target_itl:
+            return f"adaptive, target derived from the decode step, ceiling {self.max_num_batched_tokens} tokens"
+        if self.target_itl_ms is not None:
+            return f"adaptive, target {self.target_itl_ms:g} ms, ceiling {self.max_num_batched_tokens} tokens"
+        return f"fixed, {self.max_num_batched_tokens} tokens a step"
+
     def describe(self) -> str:
         """One line per setting, for the start-up log."""
         return "\n".join(f"  {f.name:<30} {getattr(self, f.name)!r}" for f in fields(self))
@@ -307,11 +315,6 @@ def config_from_args(argv: Sequence[str] | None = None) -> EngineConfig:
     ns.auto_target_itl = mode == "auto"
     if mode == "fixed":
         ns.target_itl_ms = None  # --target-itl-ms 0
-    log.info("token budget: %s", {"auto": f"adaptive, target derived from the decode step, ceiling "
-                                          f"{ns.max_num_batched_tokens} tokens",
-                                  "target": f"adaptive, target {ns.target_itl_ms:g} ms, ceiling "
-                                            f"{ns.max_num_batched_tokens} tokens" if mode == "target" else "",
-                                  "fixed": f"fixed, {ns.max_num_batched_tokens} tokens a step"}[mode])
     if ns.max_num_seqs is None:
         # vLLM's 256 would make a small budget (32, 64: what docs/tuning.md recommends against
         # stalls) an error on its own; a budget of B tokens runs at most B requests anyway.

@@ -168,13 +168,13 @@ def test_arity_errors_count_fields_after_the_tag_both_ways(peer: Peer) -> None:
     peer.hello()
     peer.sock.send(msgspec.msgpack.encode(["request", "r"]))
     few = expect_error(peer, "bad_frame").message
-    peer.sock.send(msgspec.msgpack.encode(["request", "r", [1], {}, 0, 0.0, 0.0, "extra"]))
+    peer.sock.send(msgspec.msgpack.encode(["request", "r", [1], {}, 0, 0.0, 0.0, "a", "extra"]))
     many = expect_error(peer, "bad_frame").message
-    rule = "`request` takes 2 to 6 fields after its tag"
+    rule = "`request` takes 2 to 7 fields after its tag"
     assert few.startswith(rule) and few.endswith("got 1"), few
-    assert many.startswith(rule) and many.endswith("got 7"), many
+    assert many.startswith(rule) and many.endswith("got 8"), many
     peer.sock.send(msgspec.msgpack.encode(["utility", 1]))
-    assert expect_error(peer, "bad_frame").message.startswith("`utility` takes 2 fields after its tag")
+    assert expect_error(peer, "bad_frame").message.startswith("`utility` takes 2 to 3 fields after its tag")
 
 
 def test_before_hello_bad_frames_come_first_then_no_hello_in_wire_words(peer: Peer, link: FrontendLink) -> None:

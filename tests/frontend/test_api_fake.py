@@ -104,7 +104,7 @@ def test_n_choices_echo_and_logprobs(http: TestClient, fake: FakeEngineClient, d
 def test_echo_with_logprobs_is_refused(http: TestClient) -> None:
     r = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "echo": True, "logprobs": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
-    assert "prompt logprobs" in r.json()["error"]["message"]
+    assert "prompt_logprobs" in r.json()["error"]["message"]  # points at the field that gives them
 
 
 @pytest.mark.parametrize("path,field,value", [

@@ -71,6 +71,7 @@ def test_serve_data_parallel_routes_over_two_engine_cores(tmp_path: Path) -> Non
                   "--worker-threads", "1"], log, {"XDG_CACHE_HOME": str(tmp_path / "cache")})
     try:
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200, 180, [proc], [log])
+        wait_for(lambda: "evenflow: serving" in log.read_text(), 10, [proc], [log])  # said once /health answers
         engine_pids = [int(p) for p in re.findall(r"\.sock \(pid (\d+)\)", log.read_text())]
         assert len(engine_pids) == 2
         body = {"model": "demo", "prompt": "def fibonacci(n):", "max_tokens": 8}

@@ -67,6 +67,10 @@ def test_killed_frontend_and_engine_core_are_restarted_while_serving(demo_model_
             time.sleep(0.5)
             os.kill(victim, signal.SIGKILL)
             killed = time.monotonic()
+            # A connection the kernel queued on the victim's listener in the instant it died is reset
+            # (SO_REUSEPORT spreads connections over listeners; nothing moves them): wait for its exit.
+            wait_for(lambda: not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE,
+                     10, [proc], [log])
             # New requests keep succeeding: the live frontend takes every new connection.
             during = [_complete(url) for _ in range(5)]
             outcomes = [s.result() for s in streams]

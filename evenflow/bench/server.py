@@ -41,7 +41,7 @@ class ServerConfig:
     max_num_seqs: int | None = None
     extra_args: list[str] = field(default_factory=list)
     target_itl_ms: float | None = None  # evenflow's adaptive budget; ``budget`` is then its upper bound
-    default_budget: bool = False  # no budget flag at all: the engine's default (evenflow: the derived target)
+    default_budget: bool = False  # no budget flag at all: the engine's default (evenflow: the fixed 2048 budget)
 
     @property
     def label(self) -> str:

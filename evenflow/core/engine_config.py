@@ -250,11 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--worker-threads", type=int, default=None,
       help="torch threads per worker for every step (default on CPU: a step estimated to take 15 ms or more "
            "on one thread uses every core, a shorter one leaves one free; divided by tensor-parallel-size)")
-    a("--target-itl-ms", type=float, default=None,
+    a("--target-itl-ms", type=_target_itl_ms, default=None,
       help="adaptive token budget: each step carries as much prefill as keeps the streams' p99 inter-token "
            "latency (step times fitted online) at this many ms; --max-num-batched-tokens becomes the upper "
-           "bound; 0: off (a fixed budget). Default: with --max-num-batched-tokens given, off; without it, on, "
-           "with a target derived from the measured decode step (max(50 ms, 4x the decode step))")
+           "bound; 'auto': a target derived from the measured decode step (max(50 ms, 4x the decode step)); "
+           "0 or unset: off (the fixed budget)")
     a("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
       help="when > 1: most requests with a prefill chunk in one step (vLLM V0)")
     a("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
@@ -306,6 +306,16 @@ def _speculative_config(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None  # argparse names it
 
 
+def _target_itl_ms(text: str) -> float | str:
+    """``--target-itl-ms``: milliseconds, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds or 'auto', got {text!r}") from None
+
+
 def config_from_args(argv: Sequence[str] | None = None) -> EngineConfig:
     """Parse the command line into a validated EngineConfig (ConfigError when invalid)."""
     ns = build_parser().parse_args(argv)
@@ -313,8 +323,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> EngineConfig:
     if ns.max_num_batched_tokens is None:
         ns.max_num_batched_tokens = EngineConfig.max_num_batched_tokens
     ns.auto_target_itl = mode == "auto"
-    if mode == "fixed":
-        ns.target_itl_ms = None  # --target-itl-ms 0
+    if mode != "target":
+        ns.target_itl_ms = None  # 0, or auto: the controller derives its own
     if ns.max_num_seqs is None:
         # vLLM's 256 would make a small budget (32, 64: what docs/tuning.md recommends against
         # stalls) an error on its own; a budget of B tokens runs at most B requests anyway.

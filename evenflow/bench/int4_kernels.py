@@ -4,10 +4,9 @@ blocks (bfloat16 activations), with the dequantize-then-bf16 path int4 switches 
 
 from __future__ import annotations
 
-import time
 
 import torch
-from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan
+from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan, time_min
 from evenflow.worker.models.linear import PackedCpuLinear, TorchLinear
 from evenflow.worker.models.q4_blocks import GROUP, Q4Rows, pack
 
@@ -28,15 +27,8 @@ def time_kernels(rows: int, k: int, n: int, trials: int = 7) -> list[float]:
     int4 = Int4CpuLinear(f32, Int4Plan(1 << 30, torch.bfloat16, "all rows int4"))
     dense = Int4CpuLinear(f32, Int4Plan(0, torch.bfloat16, "all rows dense"))
     fns = [lambda: f32(x, wf), lambda: bf16(xb, wb), lambda: int4(x, q4), lambda: dense(x, q4)]
-    best = [float("inf")] * len(fns)
     with torch.inference_mode():
-        for f in fns:
-            f()
-        for _ in range(trials):
-            for i, f in enumerate(fns):
-                t0 = time.perf_counter()
-                f()
-                best[i] = min(best[i], time.perf_counter() - t0)
+        best = time_min(fns, trials)
     return [b * 1e3 for b in best]
 
 

@@ -91,7 +91,7 @@ def layout_matches() -> bool:
     return torch.allclose(got, expect.view_as(got), rtol=1e-6, atol=1e-6)
 
 
-def _time_min(fns: list, trials: int = _TRIALS) -> list[float]:
+def time_min(fns: list, trials: int = _TRIALS) -> list[float]:
     """Seconds per call of each function: min over trials, the functions interleaved in each."""
     best = [float("inf")] * len(fns)
     for f in fns:
@@ -121,14 +121,14 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool) -> Int4Plan:
     dense = {dtype: weight.dequantize(torch.empty(shape, dtype=dtype)) for dtype in (torch.float32, torch.bfloat16)}
     dtypes = [torch.float32, torch.bfloat16] if bf16_fast else [torch.float32]
     with torch.inference_mode():
-        costs = _time_min([lambda dtype=dtype: F.linear(big.to(dtype), dense[dtype]) for dtype in dtypes]
+        costs = time_min([lambda dtype=dtype: F.linear(big.to(dtype), dense[dtype]) for dtype in dtypes]
                           + [lambda dtype=dtype: weight.dequantize(dense[dtype]) for dtype in dtypes])
         dequant_s = dict(zip(dtypes, costs[len(dtypes):]))
         dense_dtype = min(dtypes, key=lambda dtype: costs[dtypes.index(dtype)] + dequant_s[dtype])
         max_rows, lines = 0, []
         for rows in _PROBE_ROWS:
             x = big[:rows]
-            int4_s, matmul_s, f32_s = _time_min([
+            int4_s, matmul_s, f32_s = time_min([
                 lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), weight.packed, GROUP,
                                                                    weight.scale_zeros),
                 lambda: F.linear(x.to(dense_dtype), dense[dense_dtype]),

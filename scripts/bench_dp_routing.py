@@ -127,13 +127,13 @@ async def run_policy(addresses: list[str], policy: str, round_index: int, args: 
     await asyncio.gather(*(conversation(c) for c in range(args.conversations)))
     wall = time.perf_counter() - t0
     after = (await client.call_utility("get_stats")).result
-    generated = [after_e.num_generation_tokens - before_per_engine[k].num_generation_tokens
+    generated = [after_e.scheduler.num_generation_tokens - before_per_engine[k].scheduler.num_generation_tokens
                  for k, after_e in client.engine_stats().items()]
     decisions = dict(client.decisions)
     await client.close()
     assert isinstance(before, SchedulerStats) and isinstance(after, SchedulerStats)
-    queries = after.prefix_cache_queries - before.prefix_cache_queries
-    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    queries = after.kv_cache.prefix_cache_queries - before.kv_cache.prefix_cache_queries
+    hits = after.kv_cache.prefix_cache_hits - before.kv_cache.prefix_cache_hits
     ms = np.array(ttfts) * 1000
     return Result(policy, round_index, hits / max(1, queries), float(np.percentile(ms, 50)),
                   float(np.percentile(ms, 99)), len(ttfts) / wall, output_tokens / wall,

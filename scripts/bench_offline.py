@@ -98,8 +98,9 @@ def run_one(model_dir: Path, name: str, dtype: str, batch: int, args: argparse.N
     wall = time.perf_counter() - t0
     runner.shutdown()
     stats = loop.stats()
-    return Row(name, runner.dtype, batch, sum(map(len, prompts)), out_tokens, wall, stats.num_steps,
-               stats.worker_prepare_s, stats.worker_forward_s, stats.worker_sample_s, stats.schedule_s + stats.update_s)
+    return Row(name, runner.dtype, batch, sum(map(len, prompts)), out_tokens, wall, stats.scheduler.num_steps,
+               stats.workers.prepare_s, stats.workers.forward_s, stats.workers.sample_s,
+               stats.scheduler.schedule_s + stats.scheduler.update_s)
 
 
 def print_table(rows: list[Row]) -> None:

@@ -34,6 +34,7 @@ from evenflow.core.frontend_link import FrontendLink
 from evenflow.frontend.clients.engine_client import EngineClient, EngineError
 from evenflow.protocol import (
     PROTOCOL_VERSION, Abort, Codec, EngineToFrontend, Hello, Outputs, Ready, RequestOutput, SamplingParams,
+    SchedulerCounts,
     SchedulerStats,
 )
 
@@ -99,15 +100,16 @@ async def _measure(address: str, concurrency: int, warmup: float, seconds: float
     except (asyncio.TimeoutError, EngineError):
         load.cancel()
     await client.close()
-    steps = s1.num_steps - s0.num_steps
+    steps = s1.scheduler.num_steps - s0.scheduler.num_steps
     return dict(
         steps_per_s=steps / wall,
-        tokens_per_s=(s1.num_generation_tokens - s0.num_generation_tokens) / wall,
-        running=s1.num_running,
-        idle_frac=(s1.worker_idle_s - s0.worker_idle_s) / wall,
-        forward_ms=1e3 * (s1.worker_forward_s - s0.worker_forward_s) / max(steps, 1),
+        tokens_per_s=(s1.scheduler.num_generation_tokens - s0.scheduler.num_generation_tokens) / wall,
+        running=s1.scheduler.num_running,
+        idle_frac=(s1.workers.idle_s - s0.workers.idle_s) / wall,
+        forward_ms=1e3 * (s1.workers.forward_s - s0.workers.forward_s) / max(steps, 1),
         step_ms=1e3 * wall / max(steps, 1),
-        sched_ms=1e3 * ((s1.schedule_s - s0.schedule_s) + (s1.update_s - s0.update_s)) / max(steps, 1),
+        sched_ms=1e3 * ((s1.scheduler.schedule_s - s0.scheduler.schedule_s)
+                        + (s1.scheduler.update_s - s0.scheduler.update_s)) / max(steps, 1),
     )
 
 
@@ -148,7 +150,7 @@ def wire_cost(workdir: Path, outputs_per_msg: int, n_msgs: int) -> tuple[float, 
     # The Hello registered us; an Abort of nothing reaches the inbox and tells us our identity.
     dealer.send(codec.encode(Abort(["x"])))
     identity = link.inbox.get(timeout=5).identity
-    stats = SchedulerStats(num_running=outputs_per_msg)
+    stats = SchedulerStats(scheduler=SchedulerCounts(num_running=outputs_per_msg))
     msg = Outputs([RequestOutput(f"r{i}", [i % 8192]) for i in range(outputs_per_msg)], stats, time.time())
     t0 = time.perf_counter()
     for _ in range(n_msgs):

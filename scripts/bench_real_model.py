@@ -61,8 +61,8 @@ async def part_spec(model: str, tok: Tokenizer, args: argparse.Namespace, workdi
                     before = await engines[name].stats()
                     batch = await engines[name].run(requests, len(requests) if conc == "sat" else int(conc))
                     after = await engines[name].stats()
-                    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
-                    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+                    drafted = after.spec_decode.num_draft_tokens - before.spec_decode.num_draft_tokens
+                    accepted = after.spec_decode.num_accepted_tokens - before.spec_decode.num_accepted_tokens
                     acceptance = accepted / drafted if drafted else 0.0
                     rows.setdefault((conc, name), []).append((batch.tok_per_s, acceptance))
                     print(f"spec round {r} c={conc:>3} {name:>5}: {batch.tok_per_s:6.1f} tok/s, "
@@ -140,8 +140,9 @@ async def part_prefix(model: str, tok: Tokenizer, args: argparse.Namespace, work
                         answers[i].append(tok.decode(res.token_ids))
                     turn_ttfts += [res.ttft_s for res in batch.results if turn > 0]  # later turns can hit
                 after = await engine.stats()
-                queries = after.prefix_cache_queries - before.prefix_cache_queries
-                rate = (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0
+                queries = after.kv_cache.prefix_cache_queries - before.kv_cache.prefix_cache_queries
+                hits = after.kv_cache.prefix_cache_hits - before.kv_cache.prefix_cache_hits
+                rate = hits / queries if queries else 0.0
                 ttfts[name].append(statistics.median(turn_ttfts))
                 hits[name].append(rate)
                 print(f"prefix round {r} {name:>9}: TTFT p50 {ttfts[name][-1] * 1e3:6.1f} ms (turns 2-3), "

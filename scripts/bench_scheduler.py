@@ -153,7 +153,7 @@ def bench_mixed(num_steps: int, target_itl_ms: float | None = None) -> StepTimes
         times.append(elapsed)
         counts.append(count)
     stats = scheduler.get_stats()
-    hit_rate = stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1)
+    hit_rate = stats.kv_cache.prefix_cache_hits / max(stats.kv_cache.prefix_cache_queries, 1)
     name = f"mixed: prefill chunks, {hit_rate:.0%} hits"
     if target_itl_ms is not None:
         name = f"mixed, --target-itl-ms {target_itl_ms:g}"

@@ -134,9 +134,9 @@ async def measure(engine: Engine, setting: str, name: str, concurrency: str, req
     seconds, tokens = await engine.run(requests, level, tag)
     after = await engine.stats()
     return Cell(setting, name, concurrency, seconds, tokens,
-                after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
-                after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
-                after.spec_decode_num_drafts - before.spec_decode_num_drafts)
+                after.spec_decode.num_draft_tokens - before.spec_decode.num_draft_tokens,
+                after.spec_decode.num_accepted_tokens - before.spec_decode.num_accepted_tokens,
+                after.spec_decode.num_drafts - before.spec_decode.num_drafts)
 
 
 async def bench(args: argparse.Namespace, settings: dict[str, str | None], workdir: Path) -> list[Cell]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing of the scheduler, KV cache and worker batch/sampler with mutmut 3.
 #
-#   scripts/mutation.sh                       # all six files, one after another
+#   scripts/mutation.sh                       # all seven files, one after another
 #   scripts/mutation.sh evenflow/core/kv/block_pool.py    # one (or a few) of them
 #   MUTATION_JOBS=2 scripts/mutation.sh ...   # mutants tested in parallel (default 1)
 #   scripts/mutation.sh --survivors evenflow/core/request.py   # after new tests: rerun only last run's survivors
@@ -9,8 +9,9 @@
 #
 # Prints "file: killed/total" per file; mutmut keeps its state in mutants/ at the repository root
 # (`scripts/mutation.sh --results` lists every mutant's status, `scripts/mutation.sh --show NAME`
-# shows one) and the script a log and the results per file in build/mutation/. Not run in CI: it takes minutes per
-# file. See docs/mutation.md. Needs mutmut 3 (pip install -e ".[mutation]").
+# shows one) and the script a log and the results per file in build/mutation/, and the ledger of the run:
+# build/mutation/ledger.md, each file's score and every survivor's diff (what docs/mutation.md's equivalents
+# explain). Not run in CI: it takes minutes per file. See docs/mutation.md. Needs mutmut 3 (pip install -e ".[mutation]").
 #
 # It runs in place: the import path is the file path (evenflow/core/sched/scheduler.py is
 # evenflow.core.sched.scheduler), which is how mutmut names a mutant. Each file's settings (what
@@ -28,13 +29,15 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one core per mutant process: the
 # The fast test subsets that exercise each file (the worker ones run the tiny model on CPU).
 declare -A TESTS=(
   [evenflow/core/sched/scheduler.py]="tests/core"
+  [evenflow/core/sched/ledger.py]="tests/core"
   [evenflow/core/kv/manager.py]="tests/core"
   [evenflow/core/kv/block_pool.py]="tests/core"
   [evenflow/core/request.py]="tests/core"
   [evenflow/worker/batch.py]="tests/worker/test_handbuilt_steps.py tests/worker/test_runner_api.py tests/worker/test_runner_correctness.py tests/worker/test_chunk_boundaries.py tests/worker/test_chunk_boundaries_spec.py tests/worker/test_chunk_boundaries_grammar.py tests/worker/test_runner_properties.py tests/worker/test_batch_edges.py"
   [evenflow/worker/sampler.py]="tests/worker/test_sampler.py tests/worker/test_sampler_edges.py"
 )
-ORDER=(evenflow/core/kv/block_pool.py evenflow/core/request.py evenflow/core/kv/manager.py evenflow/core/sched/scheduler.py evenflow/worker/batch.py evenflow/worker/sampler.py)
+ORDER=(evenflow/core/kv/block_pool.py evenflow/core/request.py evenflow/core/kv/manager.py evenflow/core/sched/scheduler.py
+       evenflow/core/sched/ledger.py evenflow/worker/batch.py evenflow/worker/sampler.py)
 
 run_one() {
   local file=$1 module=${1%.py}
@@ -67,10 +70,37 @@ run_one() {
       > "$root/$module.log" 2>&1) || {
     echo "$file: mutmut failed, see $root/$module.log" >&2; tail -20 "$root/$module.log" >&2; return 1; }
   (cd "$repo" && "$python" -m mutmut results --all true | grep -F "$module." > "$root/$module.results.txt" || true)
-  local total killed
+  local total killed score
   total=$(grep -c ': ' "$root/$module.results.txt" || true)
   killed=$(grep -c ': killed$' "$root/$module.results.txt" || true)
-  echo "$file: $killed/$total killed ($(grep -v ': killed$' "$root/$module.results.txt" | awk '{print $NF}' | sort | uniq -c | tr -s ' ' | paste -sd, -))"
+  score="$file: $killed/$total killed ($(grep -v ': killed$' "$root/$module.results.txt" | awk '{print $NF}' | sort | uniq -c | tr -s ' ' | paste -sd, -))"
+  echo "$score"
+  write_ledger "$module" "$score"
+}
+
+# The run's ledger entry for one file: when, how loaded, the score, every mutant that was not killed
+# with its diff. build/mutation/ledger.md is remade from the entries after each file.
+write_ledger() {
+  local module=$1 score=$2 entry=$root/$1.ledger.md name status
+  {
+    echo "## \`${module//.//}.py\`"
+    echo
+    echo "$(date -u '+%Y-%m-%d %H:%M UTC'), load average $(cut -d' ' -f1-3 /proc/loadavg), $jobs job(s): $score"
+    echo
+    while read -r name status; do
+      name=${name%:}
+      echo "- \`$name\`: $status"
+      echo '  ```diff'
+      (cd "$repo" && "$python" -m mutmut show "$name" 2>/dev/null | grep -E '^[-+][^-+]' | sed 's/^/  /')
+      echo '  ```'
+    done < <(grep -v ': killed$' "$root/$module.results.txt")
+    echo
+  } > "$entry"
+  {
+    echo "# Mutation run ledger (written by scripts/mutation.sh)"
+    echo
+    cat "$root"/*.ledger.md
+  } > "$root/ledger.md"
 }
 
 # mutmut's own views of the state in mutants/ (it needs a config to start): --results, --show NAME.

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 INT64_MAX = 2**63 - 1
 pack, unpack = msgspec.msgpack.encode, msgspec.msgpack.decode
 
@@ -158,12 +158,13 @@ def check_stats_types(c: Conn, ready: list, args: argparse.Namespace) -> None:
     c.hello()
     c.send(["heartbeat"])
     stats = c.recv()[2]
-    # 16 fields, then the optional structured-output ones (fields 17-19), the adaptive budget's
-    # (20-27) and speculative decoding's (28-31) when the engine sends them.
-    types = [int] * 2 + [float] + [int] * 6 + [float] * 6 + [int] + [list, float, int]
-    types += [float, int, list, int, float, float, int, int] + [int] * 3 + [list]
-    assert len(stats) in (16, 19, 27, 31) and [type(v) for v in stats] == types[:len(stats)], stats
-    assert len(stats) == 16 or all(isinstance(v, int) for v in stats[16]), stats
+    # One array per owner, in the README's order; a later engine may append fields to a part, or parts.
+    parts = [[int] * 7 + [float] * 2, [float, int, int], [float] * 4, [list, float, int],
+             [float, int, list, int, float, float, int, int], [int] * 3 + [list]]
+    assert len(stats) >= len(parts), stats
+    for part, types in zip(stats, parts):
+        assert len(part) >= len(types) and [type(v) for v in part[:len(types)]] == types, stats
+    assert all(isinstance(v, int) for v in stats[3][0] + stats[4][2] + stats[5][3]), stats
 
 
 def check_stop_token_is_in_new_token_ids(c: Conn, ready: list, args: argparse.Namespace) -> None:

@@ -172,7 +172,7 @@ def run(label: str, config: SchedulerConfig, costs: MachineCosts, load: Workload
     result.elapsed_s = now
     stats = scheduler.get_stats()
     result.target_ms = 1e3 * float(np.mean(targets)) if targets else 0.0
-    steps = sum(stats.token_budget_log2_counts)
-    result.mean_budget = stats.token_budget_sum / steps if steps else 0.0
-    result.tokens_per_step = stats.num_scheduled_tokens / max(stats.num_steps, 1)
+    steps = sum(stats.budget.token_budget_log2_counts)
+    result.mean_budget = stats.budget.token_budget_sum / steps if steps else 0.0
+    result.tokens_per_step = stats.scheduler.num_scheduled_tokens / max(stats.scheduler.num_steps, 1)
     return result

@@ -222,7 +222,7 @@ class EngineCore:
         if isinstance(msg, AddRequest):
             self._add_request(item.identity, item.client_index, msg)
         elif isinstance(msg, Hold):
-            self.scheduler.hold_requests(  # type: ignore[union-attr]
+            self.scheduler.hold_requests(
                 (RequestRouter.engine_id(item.client_index, rid) for rid in msg.request_ids), msg.hold)
         elif isinstance(msg, Abort):
             eids = [eid for rid in msg.request_ids
@@ -295,7 +295,7 @@ class EngineCore:
         if call.method == "get_stats":
             return UtilityResult(call.call_id, True, self.stats())
         if call.method in LORA_METHODS:
-            return lora_utility(call, self.lora, self.scheduler)  # type: ignore[arg-type]
+            return lora_utility(call, self.lora, self.scheduler)
         if call.method == "reset_prefix_cache":
             done = self.scheduler.reset_prefix_cache()
             self._report_kv_events(self.stats(), force=True)

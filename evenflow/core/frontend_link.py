@@ -78,7 +78,8 @@ class FrontendLink:
 
     def __init__(self, ctx: zmq.Context, address: str, ready: Ready, *, max_frame_bytes: int,
                  client_timeout: float, curve_keys: str | None = None) -> None:
-        self.inbox: queue.Queue[ClientMessage | ClientGone] = queue.Queue()
+        # None: a wake-up with no message (the engine puts one when a grammar compile finishes).
+        self.inbox: queue.Queue[ClientMessage | ClientGone | None] = queue.Queue()
         self._ctx = ctx
         self._address = address
         self._ready = ready

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from evenflow.protocol import ModelRunnerOutput, SchedulerStats
+from evenflow.protocol import ModelRunnerOutput, SchedulerStats, WorkerTimingStats
 
 
 @dataclass
@@ -26,7 +26,7 @@ class StepTiming:
             self.idle_s += mro.wait_s
 
     def fill(self, stats: SchedulerStats) -> SchedulerStats:
-        """Write the worker fields into the scheduler's stats."""
-        stats.worker_prepare_s, stats.worker_forward_s = self.prepare_s, self.forward_s
-        stats.worker_sample_s, stats.worker_idle_s = self.sample_s, self.idle_s
+        """Write the workers' part of the scheduler's stats."""
+        stats.workers = WorkerTimingStats(prepare_s=self.prepare_s, forward_s=self.forward_s,
+                                          sample_s=self.sample_s, idle_s=self.idle_s)
         return stats

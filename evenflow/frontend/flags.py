@@ -8,7 +8,7 @@ import os
 from evenflow.frontend.api.context import DEFAULT_MAX_BODY_BYTES
 from evenflow.frontend.api.http_guard import HttpLimits
 from evenflow.frontend.clients.backpressure import DEFAULT_STUCK_READER_TIMEOUT_S
-from evenflow.frontend.clients.engine_client import DEAD_AFTER_S
+from evenflow.frontend.clients.connection import DEAD_AFTER_S
 from evenflow.frontend.clients.router import ROUTING_POLICIES, RoutingConfig
 
 RUNTIME_LORA_ENV = "EVENFLOW_ALLOW_RUNTIME_LORA_UPDATING"

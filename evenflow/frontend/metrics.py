@@ -18,8 +18,8 @@ process's value of a counter, but the engine-wide counters are one engine's, see
 (summing would count them N times), and it keys files by PID from an environment variable read at
 import, so two FrontendMetrics in one process (tests, the offline ``LLM``) would share them.
 
-Adding a metric is one line: an ``EngineMetric`` in ``ENGINE_METRICS`` (a value the engine reports
-in ``SchedulerStats``; add the field there), or a name in ``COUNTERS`` / ``HISTOGRAMS`` (counted here,
+Adding a metric is one line: an ``EngineMetric`` in ``ENGINE_METRICS`` (evenflow/frontend/engine_metrics.py:
+a value the engine reports in ``SchedulerStats``), or a name in ``COUNTERS`` / ``HISTOGRAMS`` (counted here,
 then ``metrics.counters[name] += n`` / ``metrics.histograms[name].observe(x)`` where it happens).
 """
 
@@ -29,17 +29,16 @@ import bisect
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 import msgspec
 from msgspec import Struct
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from evenflow.frontend.engine_metrics import ENGINE_METRICS, grammar_compile_histogram, token_budget_histogram
 from evenflow.protocol import SchedulerStats
-from evenflow.protocol.structured_outputs import COMPILE_BUCKETS_S
 
 
 # Bucket bounds as vLLM uses them, so dashboards built for vLLM read these histograms the same way.
@@ -59,62 +58,6 @@ HISTOGRAMS: dict[str, tuple[list[float], str]] = {
 }
 
 
-class EngineMetric(NamedTuple):
-    """A metric read from the engine's ``SchedulerStats``."""
-
-    name: str
-    kind: str  # "gauge" or "counter"
-    help: str
-    value: Callable[[SchedulerStats], float]
-
-
-ENGINE_METRICS: list[EngineMetric] = [
-    EngineMetric("evenflow:num_requests_running", "gauge", "Requests in the engine's running batch.",
-                 lambda e: e.num_running),
-    EngineMetric("evenflow:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", lambda e: e.num_waiting),
-    EngineMetric("evenflow:kv_cache_usage_perc", "gauge", "KV cache usage (1 = full).", lambda e: e.kv_cache_usage),
-    EngineMetric("evenflow:num_preemptions_total", "counter", "Preemptions by the scheduler.",
-                 lambda e: e.num_preemptions),
-    EngineMetric("evenflow:prefix_cache_queries_total", "counter",
-                 "Prefix cache queries, in tokens (each request's prompt once, not again after a preemption).",
-                 lambda e: e.prefix_cache_queries),
-    EngineMetric("evenflow:prefix_cache_hits_total", "counter", "Prefix cache hits, in tokens (of those queries).",
-                 lambda e: e.prefix_cache_hits),
-    EngineMetric("evenflow:num_steps_total", "counter", "Engine steps that ran the model.", lambda e: e.num_steps),
-    EngineMetric("evenflow:scheduled_tokens_total", "counter",
-                 "Tokens computed by the model: the sum of every step's scheduled tokens (recomputation after "
-                 "preemption included).", lambda e: e.num_scheduled_tokens),
-    EngineMetric("evenflow:worker_forward_seconds_total", "counter", "Seconds the workers spent in forward passes.",
-                 lambda e: e.worker_forward_s),
-    EngineMetric("evenflow:worker_idle_seconds_total", "counter",
-                 "Seconds the workers waited on the engine-core while it had work.", lambda e: e.worker_idle_s),
-    # The adaptive budget (--target-itl-ms; all 0 with a fixed budget). Its histogram: token_budget_histogram.
-    EngineMetric("evenflow:target_itl_seconds", "gauge", "Step-time target of the adaptive budget (0: fixed budget).",
-                 lambda e: e.target_itl_s),
-    EngineMetric("evenflow:token_budget", "gauge", "Token budget the adaptive budget chose for the last step.",
-                 lambda e: e.token_budget),
-    EngineMetric("evenflow:step_time_predicted_seconds_total", "counter",
-                 "Predicted time of the steps with decodes that the adaptive budget planned.",
-                 lambda e: e.step_predicted_s),
-    EngineMetric("evenflow:step_time_measured_seconds_total", "counter", "Measured time of the same steps.",
-                 lambda e: e.step_measured_s),
-    EngineMetric("evenflow:target_steps_total", "counter", "Steps with decodes that the adaptive budget planned.",
-                 lambda e: e.num_controlled_steps),
-    EngineMetric("evenflow:target_steps_within_total", "counter", "Of those, steps whose measured time met the target.",
-                 lambda e: e.num_steps_within_target),
-    EngineMetric("evenflow:target_steps_within_ratio", "gauge", "Share of planned steps whose time met the target.",
-                 lambda e: e.num_steps_within_target / e.num_controlled_steps if e.num_controlled_steps else 0.0),
-    EngineMetric("evenflow:grammar_cache_hits_total", "counter",
-                 "Structured output requests whose grammar was already compiled or compiling.",
-                 lambda e: e.grammar_cache_hits),
-    # Speculative decoding (vLLM's names); a draft = one request's drafts verified in one step.
-    EngineMetric("evenflow:spec_decode_num_drafts_total", "counter", "Speculative drafts verified.",
-                 lambda e: e.spec_decode_num_drafts),
-    EngineMetric("evenflow:spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.",
-                 lambda e: e.spec_decode_num_draft_tokens),
-    EngineMetric("evenflow:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
-                 lambda e: e.spec_decode_num_accepted_tokens),
-]
 COUNTERS: dict[str, str] = {
     "evenflow:prompt_tokens_total": "Prompt tokens of requests whose prefill finished (refused ones not counted).",
     "evenflow:generation_tokens_total": "Generated tokens delivered.",
@@ -308,7 +251,7 @@ class _SnapshotCollector:
         per_pos = CounterMetricFamily("evenflow:spec_decode_num_accepted_tokens_per_pos_total",
                                       "Draft tokens accepted, by position in the draft.",
                                       labels=["model_name", "position"])
-        for position, count in enumerate(engine.spec_decode_num_accepted_tokens_per_pos):
+        for position, count in enumerate(engine.spec_decode.num_accepted_tokens_per_pos):
             per_pos.add_metric([self.model_name, str(position)], count)
         yield per_pos
         yield token_budget_histogram(engine, labels, values)
@@ -342,42 +285,3 @@ def render_prometheus(s: MetricsSnapshot, model_name: str) -> str:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SnapshotCollector(s, model_name))
     return generate_latest(registry).decode()
-
-
-def stats_log_line(prev: SchedulerStats | None, cur: SchedulerStats, seconds: float) -> str | None:
-    """vLLM-style throughput line since ``prev``; None when there was no activity to report."""
-    p = prev or SchedulerStats()
-    prompt = cur.num_prompt_tokens - p.num_prompt_tokens
-    gen = cur.num_generation_tokens - p.num_generation_tokens
-    if prompt == 0 and gen == 0 and cur.num_running == 0 and cur.num_waiting == 0:
-        return None
-    dt = max(seconds, 1e-9)
-    hit = (cur.prefix_cache_hits - p.prefix_cache_hits) / max(1, cur.prefix_cache_queries - p.prefix_cache_queries)
-    return (
-        f"Avg prompt throughput: {prompt / dt:.1f} tokens/s, Avg generation throughput: {gen / dt:.1f} tokens/s, "
-        f"Running: {cur.num_running} reqs, Waiting: {cur.num_waiting} reqs, "
-        f"KV cache usage: {cur.kv_cache_usage * 100:.1f}%, Prefix cache hit rate: {hit * 100:.1f}%"
-    )
-
-
-def token_budget_histogram(e: SchedulerStats, labels: list[str], values: list[str]) -> HistogramMetricFamily:
-    """The adaptive budget's chosen budgets, counted by the engine in power-of-two buckets (bucket i:
-    (2**(i-1), 2**i]) so every frontend renders the same bounds; empty with a fixed budget."""
-    histogram = HistogramMetricFamily("evenflow:token_budget_tokens",
-                                      "Token budgets chosen per step by the adaptive budget.", labels=labels)
-    cumulative = list(itertools.accumulate(e.token_budget_log2_counts))
-    bounds = [str(2**i) for i in range(len(cumulative))]
-    total = cumulative[-1] if cumulative else 0
-    histogram.add_metric(values, [*zip(bounds, cumulative), ("+Inf", total)], e.token_budget_sum)
-    return histogram
-
-
-def grammar_compile_histogram(stats: SchedulerStats, labels: list[str], values: list[str]) -> HistogramMetricFamily:
-    """``evenflow:grammar_compile_seconds``: one observation per grammar compiled, bounds from protocol."""
-    counts = stats.grammar_compile_buckets or [0] * (len(COMPILE_BUCKETS_S) + 1)
-    bounds = [*(repr(float(b)) for b in COMPILE_BUCKETS_S), "+Inf"]
-    histogram = HistogramMetricFamily("evenflow:grammar_compile_seconds",
-                                      "Seconds to compile a structured output grammar (off the engine loop).",
-                                      labels=labels)
-    histogram.add_metric(values, list(zip(bounds, itertools.accumulate(counts))), stats.grammar_compile_s)
-    return histogram

@@ -10,7 +10,8 @@ from typing import Generic, TypeVar
 
 import msgspec
 
-from evenflow.protocol.messages import EngineToFrontend, EngineToWorker, FrontendToEngine, WorkerToEngine
+from evenflow.protocol.messages import EngineToFrontend, FrontendToEngine
+from evenflow.protocol.worker_messages import EngineToWorker, WorkerToEngine
 from evenflow.protocol.wire_errors import explain, structs_by_tag
 
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from evenflow.protocol.messages import ModelRunnerOutput, SchedulerOutput, WorkerReady
+from evenflow.protocol.worker_messages import ModelRunnerOutput, SchedulerOutput, WorkerReady
 
 
 class Executor(Protocol):

@@ -22,7 +22,7 @@ MISSING_LIBRARY_MESSAGE = (
 )
 # What "any JSON object" means for json_object (OpenAI's {"type": "json_object"}).
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
-# Bounds (seconds) of the grammar compile histogram: SchedulerStats.grammar_compile_buckets counts
+# Bounds (seconds) of the grammar compile histogram: SchedulerStats.grammar.compile_buckets counts
 # compiles per bucket (one more for +Inf), rendered as evenflow:grammar_compile_seconds.
 COMPILE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _LABELS = {"json": "json schema", "grammar": "lark grammar"}

@@ -1,3 +1,3 @@
 """Protocol version: bumped on any incompatible change to evenflow/protocol/messages.py."""
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4

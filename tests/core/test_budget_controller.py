@@ -88,9 +88,9 @@ def test_controller_converges_to_the_largest_step_within_target() -> None:
     assert max(carried) <= target_s * 1.01
     assert np.mean(carried) >= target_s * 0.97 and min(carried) >= target_s * 0.9
     stats = scheduler.get_stats()
-    assert stats.num_steps_within_target / stats.num_controlled_steps >= 0.95
-    assert stats.target_itl_s == target_s and stats.token_budget > NUM_STREAMS
-    assert sum(stats.token_budget_log2_counts) == scheduler._next_step_id
+    assert stats.budget.num_steps_within_target / stats.budget.num_controlled_steps >= 0.95
+    assert stats.budget.target_itl_s == target_s and stats.budget.token_budget > NUM_STREAMS
+    assert sum(stats.budget.token_budget_log2_counts) == scheduler._next_step_id
 
 
 def test_a_chunk_over_a_long_context_is_priced_from_decodes_and_short_chunks() -> None:

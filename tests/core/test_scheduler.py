@@ -112,7 +112,7 @@ def test_preemption_by_recompute_and_resumption_from_prefix_cache() -> None:
     assert preempted_at is not None and preempted_at.preempted_req_ids == ["second"]  # the latest
     assert second.status == RequestStatus.PREEMPTED and second.num_computed_tokens == 0
     assert not preempted_at.scheduled_new_reqs and scheduler.waiting.peek() is second
-    assert scheduler.get_stats().num_preemptions == 1
+    assert scheduler.get_stats().scheduler.num_preemptions == 1
     scheduler.abort_requests(["first"])  # make room
     resumed = run_step(scheduler, worker)
     (data,) = resumed.scheduled_cached_reqs
@@ -136,18 +136,18 @@ def test_stats_count_a_prompt_once_and_every_scheduled_token() -> None:
         if output.preempted_req_ids:
             break
     assert second.status == RequestStatus.PREEMPTED
-    queries_before = scheduler.get_stats().prefix_cache_queries
+    queries_before = scheduler.get_stats().kv_cache.prefix_cache_queries
     assert queries_before == 28  # both prompts, once each
     scheduler.abort_requests(["first"])
     resumed = run_step(scheduler, worker)  # "second" finds 12 of its tokens in the cache again
     total_scheduled += resumed.total_num_scheduled_tokens
     stats = scheduler.get_stats()
     assert resumed.scheduled_cached_reqs[0].resumed_from_preemption
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (queries_before, 0)
+    assert (stats.kv_cache.prefix_cache_queries, stats.kv_cache.prefix_cache_hits) == (queries_before, 0)
     # 28 prompt tokens, two decode steps of 2, one of 1 ("second" preempted), then "second"'s 17
     # tokens minus the 12 cached: 2 prompt tokens and its 3 output tokens computed again.
     assert resumed.num_scheduled_tokens["second"] == 5
-    assert stats.num_scheduled_tokens == total_scheduled == 28 + 2 + 2 + 1 + 5
+    assert stats.scheduler.num_scheduled_tokens == total_scheduled == 28 + 2 + 2 + 1 + 5
 
 
 def test_no_request_is_admitted_in_a_step_that_preempted() -> None:
@@ -269,8 +269,8 @@ def test_draft_slots_count_in_the_budget_and_are_trimmed() -> None:
     assert list(request.output_token_ids) == [7, 1, 8] and request.num_output_placeholders == 0
     assert request.num_computed_tokens == 4 == request.num_tokens - 1 and request.num_proposed_drafts == 0
     stats = scheduler.get_stats()
-    assert (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens) == (1, 2)
-    assert stats.spec_decode_num_accepted_tokens == 1 and stats.spec_decode_num_accepted_tokens_per_pos == [1, 0]
+    assert (stats.spec_decode.num_drafts, stats.spec_decode.num_draft_tokens) == (1, 2)
+    assert stats.spec_decode.num_accepted_tokens == 1 and stats.spec_decode.num_accepted_tokens_per_pos == [1, 0]
 
 
 def test_with_a_step_in_flight_k_slots_are_reserved_and_none_past_max_tokens() -> None:
@@ -377,9 +377,10 @@ def test_stats() -> None:
         run_step(scheduler, worker)
     scheduler.schedule()  # nothing to run: not a step
     stats = scheduler.get_stats()
-    assert (stats.num_prompt_tokens, stats.num_generation_tokens, stats.num_steps) == (12, 3, 4)
-    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
-    assert stats.schedule_s > 0 and stats.update_s > 0
+    counts = stats.scheduler
+    assert (counts.num_prompt_tokens, counts.num_generation_tokens, counts.num_steps) == (12, 3, 4)
+    assert stats.scheduler.num_running == stats.scheduler.num_waiting == 0 and stats.kv_cache.usage == 0.0
+    assert stats.scheduler.schedule_s > 0 and stats.scheduler.update_s > 0
 
 
 def test_add_request_rejects_duplicates_and_bad_prompts() -> None:

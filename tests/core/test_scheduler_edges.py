@@ -6,6 +6,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from evenflow.core.sched import ledger as ledger_module
 from evenflow.core.sched import scheduler as scheduler_module
 from evenflow.protocol import ModelRunnerOutput, SpeculativeConfig
 
@@ -41,7 +42,7 @@ def test_stats_report_prefix_cache_queries_and_hits() -> None:
     add(scheduler, "b", 8)
     scheduler.schedule()  # b finds a's first block; its last token is always recomputed
     stats = scheduler.get_stats()
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (16, 4)
+    assert (stats.kv_cache.prefix_cache_queries, stats.kv_cache.prefix_cache_hits) == (16, 4)
 
 
 def test_long_prefill_threshold_of_one_token_prefills_one_token_a_step() -> None:
@@ -69,14 +70,15 @@ def test_stats_count_running_waiting_kv_usage_and_every_preemption() -> None:
         add(scheduler, f"r{i}", 3, arrival=float(i), max_tokens=9)
     run_step(scheduler, worker)  # the three prompts take three of the four blocks
     stats = scheduler.get_stats()
-    assert (stats.num_running, stats.num_waiting, stats.num_preemptions) == (3, 0, 0)
-    assert stats.kv_cache_usage == scheduler.kv_cache_manager.usage > 0
+    assert (stats.scheduler.num_running, stats.scheduler.num_waiting, stats.scheduler.num_preemptions) == (3, 0, 0)
+    assert stats.kv_cache.usage == scheduler.kv_cache_manager.usage > 0
     preempted = 0
     while scheduler.has_unfinished_requests():
         preempted += len(run_step(scheduler, worker).preempted_req_ids)
         stats = scheduler.get_stats()
-        assert (stats.num_running, stats.num_waiting) == (len(scheduler.running), len(scheduler.waiting))
-        assert stats.num_preemptions == preempted
+        counts = stats.scheduler
+        assert (counts.num_running, counts.num_waiting) == (len(scheduler.running), len(scheduler.waiting))
+        assert stats.scheduler.num_preemptions == preempted
     assert preempted >= 2
 
 
@@ -145,13 +147,14 @@ def test_stats_add_up_the_time_of_every_schedule_and_update(monkeypatch: pytest.
     ticks = iter(range(1000))
     fake_time = SimpleNamespace(perf_counter=lambda: float(next(ticks)), time=time.time)
     monkeypatch.setattr(scheduler_module, "time", fake_time)  # every measured span lasts 1 s
+    monkeypatch.setattr(ledger_module, "time", fake_time)  # (update_from_output is timed there)
     scheduler = make_scheduler()
     add(scheduler, "a", 5)
     for _ in range(3):
         output = scheduler.schedule()
         scheduler.update_from_output(output, sample(output, {}, scheduler))
     stats = scheduler.get_stats()
-    assert (stats.schedule_s, stats.update_s) == (3.0, 3.0)
+    assert (stats.scheduler.schedule_s, stats.scheduler.update_s) == (3.0, 3.0)
 
 
 def test_a_one_token_prefill_chunk_is_held_to_the_prefill_allowance_too() -> None:
@@ -196,7 +199,7 @@ def test_prefix_caching_off_finds_no_hit() -> None:
     add(scheduler, "b", 10)  # the same prompt
     (new,) = scheduler.schedule().scheduled_new_reqs
     assert new.num_computed_tokens == 0
-    assert scheduler.get_stats().prefix_cache_hits == 0
+    assert scheduler.get_stats().kv_cache.prefix_cache_hits == 0
 
 
 def test_a_request_still_owed_a_token_does_not_hold_up_the_queue() -> None:

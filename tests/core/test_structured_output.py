@@ -100,7 +100,7 @@ def test_compiling_request_keeps_its_place_while_others_run(tokenizer_file: Path
     assert output.structured_output_req_ids == ["fsm"] and compiling.status == RequestStatus.RUNNING
     assert set(allowed_tokens(output, "fsm")) == {t for t in range(320) if decode(tokenizer_file, [t]) in ('"', '"a', '"ab', '"c', '"cd', '"ab"', '"cd"')}
     stats = scheduler.get_stats()
-    assert sum(stats.grammar_compile_buckets) == 1 and stats.grammar_compile_s >= 0.5
+    assert sum(stats.grammar.compile_buckets) == 1 and stats.grammar.compile_s >= 0.5
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -169,7 +169,7 @@ def test_cache_shares_compiles_and_counts_hits(tokenizer_file: Path) -> None:
     wait_compiled(first, second, third)
     assert first.grammar.compiled is second.grammar.compiled  # type: ignore[union-attr]
     stats = scheduler.get_stats()
-    assert stats.grammar_cache_hits == 1 and sum(stats.grammar_compile_buckets) == 2
+    assert stats.grammar.cache_hits == 1 and sum(stats.grammar.compile_buckets) == 2
 
 
 def test_bad_grammar_and_missing_library_are_refused_with_the_reason(tokenizer_file: Path,

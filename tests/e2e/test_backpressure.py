@@ -37,10 +37,10 @@ def test_a_reader_that_stops_holds_its_request_and_a_stuck_one_is_aborted(tiny_l
         tokens = list((await stream.__anext__()).new_token_ids)
         await asyncio.sleep(1.5)  # not reading: the outputs pile up to the hold, then stop
         buffered = client._streams["slow"].queue.qsize()
-        generated = (await _stats(client)).num_generation_tokens
+        generated = (await _stats(client)).scheduler.num_generation_tokens
         await asyncio.sleep(1.0)
         assert client.holds == 1 and HOLD_AFTER <= buffered <= HOLD_AFTER + 3, buffered
-        assert (await _stats(client)).num_generation_tokens == generated  # held: nothing generated
+        assert (await _stats(client)).scheduler.num_generation_tokens == generated  # held: nothing generated
         async for out in stream:  # reading again releases it
             tokens += out.new_token_ids
         assert tokens == reference
@@ -49,7 +49,7 @@ def test_a_reader_that_stops_holds_its_request_and_a_stuck_one_is_aborted(tiny_l
         await stuck.__anext__()
         await asyncio.sleep(5.0)  # held, then past the 3 s stuck-reader timeout: aborted
         stats = await _stats(client)
-        assert stats.num_running == 0 and stats.kv_cache_usage == 0.0
+        assert stats.scheduler.num_running == 0 and stats.kv_cache.usage == 0.0
         with pytest.raises(EngineError) as info:
             async for _ in stuck:
                 pass

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import zmq
 
-from evenflow.frontend.clients import engine_client as client_module
+from evenflow.frontend.clients import connection as client_module  # its timing constants
 from evenflow.frontend.clients.engine_client import BlockingEngineClient, EngineClient, EngineError
 from evenflow.protocol import (
     PROTOCOL_VERSION, AddRequest, Codec, Error, FrontendToEngine, Heartbeat, Hello, Outputs, Ready, RequestOutput,

@@ -14,7 +14,7 @@ import pytest
 
 from evenflow.frontend import LLM
 from evenflow.frontend import SamplingParams as LLMSamplingParams
-from evenflow.frontend.clients import engine_client as client_module
+from evenflow.frontend.clients import connection as client_module  # its timing constants
 from evenflow.frontend.api.context import ServingContext
 from evenflow.frontend.api.server import ServerConfig, build_app
 from evenflow.frontend.clients.engine_client import EngineClient, EngineError

@@ -71,9 +71,9 @@ def test_greedy_matches_transformers_with_overlap(engine: EngineProcess, referen
         stats = (await client.call_utility("get_stats")).result
         await client.close()
         assert outputs == references
-        assert stats.num_running == 0 and stats.kv_cache_usage == 0.0
-        assert stats.prefix_cache_hits > 0  # prompt 3 shares 64 tokens with prompt 1
-        assert stats.num_steps > 0 and stats.worker_forward_s > 0
+        assert stats.scheduler.num_running == 0 and stats.kv_cache.usage == 0.0
+        assert stats.kv_cache.prefix_cache_hits > 0  # prompt 3 shares 64 tokens with prompt 1
+        assert stats.scheduler.num_steps > 0 and stats.workers.forward_s > 0
 
     asyncio.run(main())
 
@@ -97,10 +97,10 @@ def test_greedy_matches_transformers_other_engines(tiny_llama: Path, tmp_path: P
             await client.close()
             assert outputs == references
             # 10 blocks hold 160 tokens; four running requests need 17 blocks: some were preempted.
-            assert stats.num_preemptions > 0
+            assert stats.scheduler.num_preemptions > 0
             adaptive = "--target-itl-ms" in flags  # then every step had a budget chosen for it
-            assert (stats.target_itl_s > 0) == adaptive
-            assert sum(stats.token_budget_log2_counts) >= (stats.num_steps if adaptive else 0)
+            assert (stats.budget.target_itl_s > 0) == adaptive
+            assert sum(stats.budget.token_budget_log2_counts) >= (stats.scheduler.num_steps if adaptive else 0)
 
         asyncio.run(main())
     finally:
@@ -137,8 +137,8 @@ def test_killed_client_frees_its_blocks_while_the_other_streams(engine: EnginePr
             while True:  # only the survivor's request may hold blocks now
                 stats = (await client.call_utility("get_stats")).result
                 survivor_blocks = 0 if survivor.done() else math.ceil((len(prompt) + n + 2) / 16)
-                if (stats.num_running + stats.num_waiting <= 1
-                        and stats.kv_cache_usage * engine.ready.num_kv_blocks <= survivor_blocks + 1e-9):
+                if (stats.scheduler.num_running + stats.scheduler.num_waiting <= 1
+                        and stats.kv_cache.usage * engine.ready.num_kv_blocks <= survivor_blocks + 1e-9):
                     break
                 assert time.monotonic() - t0 < 5.0, f"victim's requests still held: {stats}"
                 await asyncio.sleep(0.05)
@@ -171,7 +171,8 @@ def test_abort_mid_stream_frees_blocks(engine: EngineProcess) -> None:
         await explicit()
         assert reasons == ["abort"]
         t0 = time.monotonic()
-        while (stats := (await client.call_utility("get_stats")).result).kv_cache_usage > 0 or stats.num_running:
+        while ((stats := (await client.call_utility("get_stats")).result).kv_cache.usage > 0
+               or stats.scheduler.num_running):
             assert time.monotonic() - t0 < 5.0, stats
             await asyncio.sleep(0.05)
         await client.close()

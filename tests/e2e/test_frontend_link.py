@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 from evenflow.core.frontend_link import ClientGone, ClientMessage, FrontendLink
 from evenflow.protocol import (
     PROTOCOL_VERSION, Abort, AddRequest, Codec, EngineToFrontend, Error, Heartbeat, Hello, Outputs, Ready,
-    RequestOutput, SamplingParams, SchedulerStats, UtilityCall,
+    RequestOutput, SamplingParams, SchedulerCounts, SchedulerStats, UtilityCall,
 )
 
 READY = Ready(PROTOCOL_VERSION, "m", "/m", 64, 100, [2], 16, 32, 256, "eid")
@@ -84,10 +84,10 @@ def expect_error(peer: Peer, code: str, request_id: str | None = None) -> Error:
 
 def test_handshake_and_heartbeat(peer: Peer, link: FrontendLink) -> None:
     assert peer.hello() == READY
-    link.set_stats(SchedulerStats(num_running=3))
+    link.set_stats(SchedulerStats(scheduler=SchedulerCounts(num_running=3)))
     peer.send(Heartbeat())
     msg = peer.recv()
-    assert isinstance(msg, Outputs) and msg.outputs == [] and msg.stats.num_running == 3
+    assert isinstance(msg, Outputs) and msg.outputs == [] and msg.stats.scheduler.num_running == 3
 
 
 def test_version_mismatch_names_both_versions(peer: Peer) -> None:

@@ -99,7 +99,7 @@ def _expiry(engine: EngineProcess) -> None:
         assert default.code == "request_timeout" and "0.15 s" in default.message and 0.12 < default_s < 4.0
         await asyncio.sleep(0.3)
         stats = (await client.call_utility("get_stats")).result
-        assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+        assert stats.scheduler.num_running == 0 and stats.scheduler.num_waiting == 0 and stats.kv_cache.usage == 0.0
         # The engine keeps serving, and a finished request's old deadline never hits a reused id.
         agen = client.generate("own", [1, 2], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
         assert [o.finish_reason async for o in agen][-1] == "length"

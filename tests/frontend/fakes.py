@@ -6,7 +6,9 @@ import asyncio
 from typing import AsyncIterator
 
 from evenflow.frontend.clients.errors import EngineError
-from evenflow.protocol import Ready, RequestOutput, SamplingParams, SchedulerStats, TokenLogprobs, UtilityResult
+from evenflow.protocol import (
+    Ready, RequestOutput, SamplingParams, SchedulerCounts, SchedulerStats, TokenLogprobs, UtilityResult,
+)
 
 
 class FakeEngineClient:
@@ -77,7 +79,7 @@ class FakeEngineClient:
                 self.live.discard(rid)
 
     async def call_utility(self, method: str, timeout: float = 30.0) -> UtilityResult:
-        return UtilityResult(0, True, SchedulerStats(num_running=len(self.live)))
+        return UtilityResult(0, True, SchedulerStats(scheduler=SchedulerCounts(num_running=len(self.live))))
 
     async def close(self) -> None:
         pass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from evenflow.frontend.metrics import FrontendMetrics
-from evenflow.protocol import SchedulerStats
+from evenflow.protocol import SchedulerStats, TokenBudgetStats
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -11,9 +11,9 @@ def test_budget_metrics_parse_and_carry_the_engine_numbers() -> None:
     m = FrontendMetrics("demo")
     counts = [0] * 17
     counts[5], counts[9] = 3, 1  # three budgets in (16, 32], one in (256, 512]
-    m.set_engine_stats(SchedulerStats(target_itl_s=0.05, token_budget=300, token_budget_log2_counts=counts,
-                                      token_budget_sum=3 * 20 + 300, step_predicted_s=0.4, step_measured_s=0.5,
-                                      num_controlled_steps=4, num_steps_within_target=3))
+    m.set_engine_stats(SchedulerStats(budget=TokenBudgetStats(
+        target_itl_s=0.05, token_budget=300, token_budget_log2_counts=counts, token_budget_sum=3 * 20 + 300,
+        step_predicted_s=0.4, step_measured_s=0.5, num_controlled_steps=4, num_steps_within_target=3)))
     families = {f.name: f for f in text_string_to_metric_families(m.render())}
     value = {s.name + str(sorted(s.labels.items())): s.value for f in families.values() for s in f.samples}
     assert families["evenflow:token_budget_tokens"].type == "histogram"

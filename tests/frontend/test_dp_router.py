@@ -6,8 +6,12 @@ from evenflow.frontend.clients.data_parallel import sum_stats
 from evenflow.frontend.clients.router import Router, RoutingConfig
 from evenflow.frontend.metrics import FrontendMetrics
 from evenflow.frontend.clients.prefix_index import PrefixIndex
-from evenflow.protocol import KVCacheEvents, SchedulerStats
+from evenflow.protocol import KVCacheEvents, KVCacheStats, SchedulerCounts, SchedulerStats, TokenBudgetStats
 from evenflow.protocol.block_hash import extend_block_hashes
+
+
+def _stats(**counts: int) -> SchedulerStats:
+    return SchedulerStats(scheduler=SchedulerCounts(**counts))
 
 
 def hashes(tokens: list[int], block_size: int = 4) -> list[bytes]:
@@ -47,22 +51,22 @@ def test_hot_spot_guard_needs_both_gaps() -> None:
     router = Router.for_engines(cfg, [100, 100])
     prompt = hashes(list(range(33)))
     router.on_kv_events(0, KVCacheEvents(stored=prompt))
-    router.on_stats(0, SchedulerStats(num_running=8, num_waiting=10))  # load 48
-    router.on_stats(1, SchedulerStats(num_running=8, num_waiting=0))  # load 8: gap 40 > 32 and 48 > 1.5*8
+    router.on_stats(0, _stats(num_running=8, num_waiting=10))  # load 48
+    router.on_stats(1, _stats(num_running=8, num_waiting=0))  # load 8: gap 40 > 32 and 48 > 1.5*8
     assert router.choose(prompt, [0, 1]).reason == "balance"
     assert router.choose(prompt, [0, 1]).engine == 1
-    router.on_stats(1, SchedulerStats(num_running=30, num_waiting=0))  # gap 18: small in absolute terms
+    router.on_stats(1, _stats(num_running=30, num_waiting=0))  # gap 18: small in absolute terms
     assert router.choose(prompt, [0, 1]).engine == 0
-    router.on_stats(0, SchedulerStats(num_running=200, num_waiting=10))  # gap 210 but 240 < 1.5*170
-    router.on_stats(1, SchedulerStats(num_running=150, num_waiting=5))
+    router.on_stats(0, _stats(num_running=200, num_waiting=10))  # gap 210 but 240 < 1.5*170
+    router.on_stats(1, _stats(num_running=150, num_waiting=5))
     assert router.choose(prompt, [0, 1]).engine == 0
     assert router.choose(prompt, [1]).engine == 1  # only reachable engines are candidates
 
 
 def test_load_and_round_robin_policies() -> None:
     load = Router.for_engines(RoutingConfig("load"), [10, 10, 10])
-    load.on_stats(0, SchedulerStats(num_running=1))
-    load.on_stats(2, SchedulerStats(num_running=2))
+    load.on_stats(0, _stats(num_running=1))
+    load.on_stats(2, _stats(num_running=2))
     picks = []
     for _ in range(3):
         d = load.choose([], [0, 1, 2])
@@ -82,21 +86,23 @@ def test_restart_forgets_the_engine() -> None:
 
 
 def test_sum_stats_adds_counts_and_averages_usage() -> None:
-    total = sum_stats([SchedulerStats(num_running=2, kv_cache_usage=0.5, prefix_cache_hits=10),
-                       SchedulerStats(num_running=3, kv_cache_usage=0.1, prefix_cache_hits=5)])
-    assert (total.num_running, total.prefix_cache_hits) == (5, 15)
-    assert abs(total.kv_cache_usage - 0.3) < 1e-9
+    total = sum_stats([
+        SchedulerStats(scheduler=SchedulerCounts(num_running=2), kv_cache=KVCacheStats(usage=0.5, prefix_cache_hits=10)),
+        SchedulerStats(scheduler=SchedulerCounts(num_running=3), kv_cache=KVCacheStats(usage=0.1, prefix_cache_hits=5)),
+    ])
+    assert (total.scheduler.num_running, total.kv_cache.prefix_cache_hits) == (5, 15)
+    assert abs(total.kv_cache.usage - 0.3) < 1e-9
 
 
 def test_sum_stats_adds_the_adaptive_budget_histograms_bucket_by_bucket() -> None:
-    total = sum_stats([SchedulerStats(target_itl_s=0.05, token_budget_log2_counts=[0, 2, 1]),
-                       SchedulerStats(target_itl_s=0.05, token_budget_log2_counts=[1, 1])])
-    assert total.token_budget_log2_counts == [1, 3, 1] and total.target_itl_s == 0.05
+    total = sum_stats([SchedulerStats(budget=TokenBudgetStats(target_itl_s=0.05, token_budget_log2_counts=[0, 2, 1])),
+                       SchedulerStats(budget=TokenBudgetStats(target_itl_s=0.05, token_budget_log2_counts=[1, 1]))])
+    assert total.budget.token_budget_log2_counts == [1, 3, 1] and total.budget.target_itl_s == 0.05
 
 
 def test_metrics_label_each_engine_and_keep_the_total() -> None:
     m = FrontendMetrics("demo")
-    per = {"0": SchedulerStats(num_running=2), "1": SchedulerStats(num_running=3)}
+    per = {"0": _stats(num_running=2), "1": _stats(num_running=3)}
     m.set_engine_stats(sum_stats(list(per.values())), per_engine=per)
     text = m.render()
     from prometheus_client.parser import text_string_to_metric_families
@@ -141,7 +147,7 @@ class FakeEngine:
         self.aborted += ids
 
     async def call_utility(self, method: str, timeout: float = 30.0) -> UtilityResult:
-        return UtilityResult(0, True, SchedulerStats(num_running=1, num_generation_tokens=5))
+        return UtilityResult(0, True, _stats(num_running=1, num_generation_tokens=5))
 
     async def close(self) -> None:
         self.connected = False
@@ -173,7 +179,7 @@ def test_client_routes_aborts_and_aggregates_over_fakes() -> None:
         assert owner.aborted == ["r3"] and (b if owner is a else a).aborted == []
         await stream.aclose()
         stats = await client.call_utility("get_stats")
-        assert stats.result.num_running == 2 and set(client.engine_stats()) == {"0", "1"}
+        assert stats.result.scheduler.num_running == 2 and set(client.engine_stats()) == {"0", "1"}
         a.connected = False  # only b is reachable: everything goes there
         [o async for o in client.generate("r4", prompt, SamplingParams())]
         assert b.seen[-1] == "r4"

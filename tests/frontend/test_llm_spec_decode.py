@@ -25,5 +25,5 @@ def test_llm_with_speculation_matches_without(demo_model_dir: Path) -> None:
         assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected
         assert llm.generate(prompts[0], seeded)[0].token_ids == expected_seeded
         stats = llm._client.stats  # the engine's last SchedulerStats
-        assert stats is not None and stats.spec_decode_num_draft_tokens > 0
-        assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+        assert stats is not None and stats.spec_decode.num_draft_tokens > 0
+        assert 0 < stats.spec_decode.num_accepted_tokens <= stats.spec_decode.num_draft_tokens

@@ -6,8 +6,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from evenflow.frontend.metrics import ENGINE_METRICS, TTFT_BUCKETS, FrontendMetrics, merge_snapshots, render_prometheus, stats_log_line
-from evenflow.protocol import SchedulerStats
+from evenflow.frontend.engine_metrics import ENGINE_METRICS, stats_log_line
+from evenflow.frontend.metrics import TTFT_BUCKETS, FrontendMetrics, merge_snapshots, render_prometheus
+from evenflow.protocol import KVCacheStats, SchedulerCounts, SchedulerStats, WorkerTimingStats
 
 
 def _serve_one(m: FrontendMetrics, tokens: int, reason: str) -> None:
@@ -27,10 +28,11 @@ def _value(text: str, name: str, **labels: str) -> float:
 def test_render_has_every_family_and_valid_histograms() -> None:
     m = FrontendMetrics("demo")
     _serve_one(m, 5, "length")
-    m.set_engine_stats(SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_preemptions=3,
-                                      prefix_cache_queries=100, prefix_cache_hits=40, num_steps=7,
-                                      num_prompt_tokens=30, num_generation_tokens=12, worker_forward_s=1.5,
-                                      num_scheduled_tokens=45))
+    m.set_engine_stats(SchedulerStats(
+        scheduler=SchedulerCounts(num_running=2, num_waiting=1, num_preemptions=3, num_steps=7, num_prompt_tokens=30,
+                                  num_generation_tokens=12, num_scheduled_tokens=45),
+        kv_cache=KVCacheStats(usage=0.25, prefix_cache_queries=100, prefix_cache_hits=40),
+        workers=WorkerTimingStats(forward_s=1.5)))
     text = m.render()
     for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
                  "prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total",
@@ -57,8 +59,8 @@ def test_two_frontends_sum_requests_and_share_engine_stats(tmp_path: Path) -> No
     _serve_one(a, 4, "stop")
     _serve_one(b, 6, "stop")
     _serve_one(b, 2, "abort")
-    a.set_engine_stats(SchedulerStats(num_running=1), when=1.0)
-    b.set_engine_stats(SchedulerStats(num_running=7), when=2.0)  # fresher
+    a.set_engine_stats(SchedulerStats(scheduler=SchedulerCounts(num_running=1)), when=1.0)
+    b.set_engine_stats(SchedulerStats(scheduler=SchedulerCounts(num_running=7)), when=2.0)  # fresher
     a.write_snapshot()
     b.write_snapshot()
     for scraped in (a.render(), b.render()):  # whichever frontend the scrape lands on
@@ -91,7 +93,8 @@ def test_every_declared_metric_is_exposed_with_vllm_buckets() -> None:
 def test_log_line_only_with_activity() -> None:
     idle = SchedulerStats()
     assert stats_log_line(idle, idle, 10.0) is None
-    busy = SchedulerStats(num_running=3, num_generation_tokens=500, num_prompt_tokens=100, kv_cache_usage=0.5)
+    busy = SchedulerStats(scheduler=SchedulerCounts(num_running=3, num_generation_tokens=500, num_prompt_tokens=100),
+                          kv_cache=KVCacheStats(usage=0.5))
     line = stats_log_line(idle, busy, 10.0)
     assert line is not None and "50.0 tokens/s" in line and "Running: 3 reqs" in line and "KV cache usage: 50.0%" in line
 

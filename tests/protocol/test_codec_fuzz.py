@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from evenflow.protocol import (
     PROTOCOL_VERSION, Abort, AddRequest, Codec, DecodeError, EngineToFrontend, EngineToWorker, Error,
     FrontendToEngine, Heartbeat, Hello, Hold, ModelRunnerOutput, Outputs, Ready, RequestOutput, SamplingParams,
-    SchedulerStats, UtilityCall, WorkerToEngine,
+    SchedulerCounts, SchedulerStats, UtilityCall, WorkerToEngine,
 )
 
 UNIONS = {
@@ -75,7 +75,8 @@ def test_every_frontend_message_round_trips(msg: msgspec.Struct) -> None:
 
 def test_engine_messages_round_trip_and_stay_small() -> None:
     codec = Codec(EngineToFrontend)
-    outs = Outputs([RequestOutput(f"r{i}", [i]) for i in range(256)], SchedulerStats(num_running=256), 1.0)
+    stats = SchedulerStats(scheduler=SchedulerCounts(num_running=256))
+    outs = Outputs([RequestOutput(f"r{i}", [i]) for i in range(256)], stats, 1.0)
     frame = codec.encode(outs)
     assert codec.decode(frame) == outs
     # array_like: a one-token delta costs a few bytes beyond its id (one nil per unset field).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from evenflow.protocol import KVCacheStats
 from evenflow.protocol.block_hash import extend_block_hashes
 from evenflow.core.kv.block_pool import BlockPool, KVBlock
 from evenflow.core.request import Request, RequestStatus
@@ -40,6 +41,11 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    def stats(self) -> KVCacheStats:
+        """The KV cache's part of SchedulerStats."""
+        return KVCacheStats(usage=self.pool.usage, prefix_cache_queries=self.prefix_cache_queries,
+                            prefix_cache_hits=self.prefix_cache_hits)
 
     @property
     def num_free_blocks(self) -> int:

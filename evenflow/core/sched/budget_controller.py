@@ -251,9 +251,10 @@ class BudgetController:
         self._next_log = time.monotonic() + LOG_INTERVAL_S
 
     def fill_stats(self, stats: SchedulerStats) -> SchedulerStats:
-        s = self.stats
-        stats.target_itl_s, stats.token_budget = self.target_s, s.last_budget
-        stats.token_budget_log2_counts, stats.token_budget_sum = list(s.budget_log2_counts), s.budget_sum
-        stats.step_predicted_s, stats.step_measured_s = s.predicted_s, s.measured_s
-        stats.num_controlled_steps, stats.num_steps_within_target = s.num_steps, s.num_within_target
+        """Write the adaptive budget's part of the scheduler's stats."""
+        s, b = self.stats, stats.budget
+        b.target_itl_s, b.token_budget = self.target_s, s.last_budget
+        b.token_budget_log2_counts, b.token_budget_sum = list(s.budget_log2_counts), s.budget_sum
+        b.step_predicted_s, b.step_measured_s = s.predicted_s, s.measured_s
+        b.num_controlled_steps, b.num_steps_within_target = s.num_steps, s.num_within_target
         return stats

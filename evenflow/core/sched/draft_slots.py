@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from evenflow.protocol import SchedulerStats, SpeculativeConfig
+from evenflow.protocol import SpecDecodingStats, SpeculativeConfig
 
 from evenflow.core.request import Request
 
@@ -56,9 +56,7 @@ class SpecDecodeCounters:
         for position in range(num_accepted):  # at most K iterations, once per verified request
             self.accepted_per_pos[position] += 1
 
-    def fill(self, stats: SchedulerStats) -> SchedulerStats:
-        stats.spec_decode_num_drafts = self.num_drafts
-        stats.spec_decode_num_draft_tokens = self.num_draft_tokens
-        stats.spec_decode_num_accepted_tokens = self.num_accepted_tokens
-        stats.spec_decode_num_accepted_tokens_per_pos = list(self.accepted_per_pos)
-        return stats
+    def stats(self) -> SpecDecodingStats:
+        return SpecDecodingStats(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
+                                 num_accepted_tokens=self.num_accepted_tokens,
+                                 num_accepted_tokens_per_pos=list(self.accepted_per_pos))

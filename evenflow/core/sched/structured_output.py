@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from evenflow.protocol import GrammarStats
 from evenflow.protocol.gguf_tokenizer import tokenizer_json_text
 from evenflow.protocol.structured_outputs import (
     COMPILE_BUCKETS_S, MissingGrammarLibrary, import_llguidance, to_grammar,
@@ -66,11 +67,11 @@ class CompileStats:
             self.bucket_counts[index] += 1
             self.seconds += seconds
 
-    def as_fields(self) -> dict[str, Any]:
-        """The SchedulerStats fields these numbers fill."""
+    def snapshot(self) -> GrammarStats:
+        """Structured outputs' part of SchedulerStats."""
         with self.lock:
-            return {"grammar_compile_buckets": list(self.bucket_counts), "grammar_compile_s": self.seconds,
-                    "grammar_cache_hits": self.cache_hits}
+            return GrammarStats(compile_buckets=list(self.bucket_counts), compile_s=self.seconds,
+                                cache_hits=self.cache_hits)
 
 
 class StructuredOutputManager:

@@ -24,7 +24,8 @@ from starlette.routing import Route
 
 from evenflow.frontend.choices import InvalidRequest
 from evenflow.frontend.clients.router import RoutingConfig
-from evenflow.frontend.metrics import FrontendMetrics, stats_log_line
+from evenflow.frontend.engine_metrics import stats_log_line
+from evenflow.frontend.metrics import FrontendMetrics
 from evenflow.frontend.reuse_port import bind_reuseport
 from evenflow.frontend.tokenizer import Tokenizer
 from evenflow.frontend.api.chat import create_chat_completion
@@ -64,7 +65,7 @@ class ServerConfig:
     engine_addresses: list[str] | None = None
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter (API key needed)
-    engine_timeout: float | None = None  # None: DEAD_AFTER_S (evenflow/frontend/clients/engine_client.py)
+    engine_timeout: float | None = None  # None: DEAD_AFTER_S (evenflow/frontend/clients/connection.py)
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     stuck_reader_timeout: float = DEFAULT_STUCK_READER_TIMEOUT_S
     timeout_keep_alive: float = 5.0  # uvicorn's: an idle kept-alive connection is closed after this

@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, TypeVar
+
+from msgspec import Struct
 
 from evenflow.protocol import (
     ERR_DUPLICATE_ID, Outputs, Ready, RequestOutput, SamplingParams, SchedulerStats, UtilityResult, LoRALoad,
@@ -27,6 +29,8 @@ from evenflow.frontend.clients.errors import ERR_ENGINE_DEAD, ERR_NOT_CONNECTED,
 from evenflow.frontend.clients.router import Decision, Router, RoutingConfig
 
 log = logging.getLogger("evenflow.frontend.clients.data_parallel")
+
+S = TypeVar("S", bound=Struct)
 
 # Ready fields every engine-core behind one frontend must agree on (the frontend serves one model).
 _SAME_MODEL = ("model_name", "model_path", "max_model_len", "vocab_size", "eos_token_ids", "block_size")
@@ -44,16 +48,25 @@ def route_hashes(prompt_token_ids: list[int], block_size: int, lora: AdapterRef 
 def sum_stats(snapshots: list[SchedulerStats]) -> SchedulerStats:
     """Totals over engine-cores: counts and seconds add up; KV cache usage is the mean; the
     adaptive budget's target is the engines' (the same flag), not a sum."""
-    total = SchedulerStats(*(_add([getattr(s, name) for s in snapshots]) for name in SchedulerStats.__struct_fields__))
-    total.kv_cache_usage = total.kv_cache_usage / max(1, len(snapshots))
-    total.target_itl_s = max((s.target_itl_s for s in snapshots), default=0.0)
+    total = _add_structs(SchedulerStats, snapshots)
+    total.kv_cache.usage = total.kv_cache.usage / max(1, len(snapshots))
+    total.budget.target_itl_s = max((s.budget.target_itl_s for s in snapshots), default=0.0)
     return total
 
 
+def _add_structs(cls: type[S], items: list[S]) -> S:
+    """Field by field sums of structs of one type (an empty list: the defaults)."""
+    if not items:
+        return cls()
+    return cls(*(_add([getattr(item, name) for item in items]) for name in cls.__struct_fields__))
+
+
 def _add(values: list) -> object:
-    """A sum; per-bucket counts (``grammar_compile_buckets``, ``token_budget_log2_counts``) add bucket
-    by bucket."""
-    if values and isinstance(values[0], list):
+    """A sum; owners' parts add field by field, and per-bucket counts (``grammar.compile_buckets``,
+    ``budget.token_budget_log2_counts``) bucket by bucket."""
+    if isinstance(values[0], Struct):
+        return _add_structs(type(values[0]), values)
+    if isinstance(values[0], list):
         return [sum(column) for column in itertools.zip_longest(*values, fillvalue=0)]
     return sum(values)
 

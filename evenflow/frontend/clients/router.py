@@ -109,7 +109,8 @@ class Router:
 
     def on_stats(self, engine: int, stats: SchedulerStats) -> None:
         view = self.engines[engine]
-        view.num_waiting, view.num_running, view.routed_since_stats = stats.num_waiting, stats.num_running, 0
+        view.num_waiting, view.num_running = stats.scheduler.num_waiting, stats.scheduler.num_running
+        view.routed_since_stats = 0
 
     def on_kv_events(self, engine: int, events: KVCacheEvents) -> None:
         self.engines[engine].index.apply(events)

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+from evenflow.protocol.lifeline import stop_processes
 
 
 def free_port() -> int:
@@ -43,15 +44,7 @@ def spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait()
+    stop_processes(procs, timeout=20)
 
 
 def wait_ready(logs: list[Path], port: int, procs: list[subprocess.Popen], timeout: float = 300) -> None:

@@ -21,7 +21,6 @@ import itertools
 import json
 import logging
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import zmq
 
 from evenflow.core.frontend_link import FrontendLink
 from evenflow.frontend.clients.engine_client import EngineClient, EngineError
+from evenflow.protocol.lifeline import stop_processes
 from evenflow.protocol import (
     PROTOCOL_VERSION, Abort, Codec, EngineToFrontend, Hello, Outputs, Ready, RequestOutput, SamplingParams,
     SchedulerCounts,
@@ -127,12 +127,7 @@ def run_engine_case(model: Path, workdir: Path, overlap: bool, args: argparse.Na
     try:
         return asyncio.run(_measure(address, args.concurrency, args.warmup, args.seconds))
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc], timeout=30)
         log.close()
 
 

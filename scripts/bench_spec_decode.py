@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,10 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from evenflow.bench.copy_model import COPY, FIRST_CONTENT, FREE, VOCAB, train
+from evenflow.bench.engine_proc import EngineProc
 
-from evenflow.frontend.clients.engine_client import EngineClient
 from evenflow.worker.ngram_proposer import propose_ngram
-from evenflow.protocol import SamplingParams, SchedulerStats
+from evenflow.protocol import SamplingParams
 
 
 @dataclass
@@ -83,57 +82,19 @@ def workload(name: str, num: int, seed: int, max_tokens: int) -> list[tuple[list
             for i in range(num)]
 
 
-class Engine:
-    """An engine-core process started here (stopped by its PID) and a client connected to it."""
-
-    def __init__(self, model: Path, spec: str | None, workdir: Path, name: str, extra: list[str]) -> None:
-        self.address = f"ipc://{workdir}/{name}.sock"
-        argv = [sys.executable, "-m", "evenflow.core.cli", "--model", str(model), "--listen", self.address,
-                "--dtype", "float32", "--device", "cpu", "--max-model-len", "512", "--num-kv-blocks", "512",
-                "--max-num-batched-tokens", "1024", "--max-num-seqs", "64", *extra]
-        if spec:
-            argv += ["--speculative-config", spec]
-        self.log = open(workdir / f"{name}.log", "wb")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
-        self.client = EngineClient(self.address, client_name=f"bench-{name}")
-
-    async def stats(self) -> SchedulerStats:
-        result = await self.client.call_utility("get_stats")
-        assert isinstance(result.result, SchedulerStats)
-        return result.result
-
-    async def run(self, requests: list[tuple[list[int], SamplingParams]], concurrency: int, tag: str) -> tuple[float, int]:
-        gate = asyncio.Semaphore(concurrency)
-        counts: list[int] = []
-
-        async def one(i: int, prompt: list[int], params: SamplingParams) -> None:
-            async with gate:
-                n = 0
-                async for out in self.client.generate(f"{tag}-{i}", prompt, params):
-                    n += len(out.new_token_ids)
-                counts.append(n)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(one(i, p, s) for i, (p, s) in enumerate(requests)))
-        return time.perf_counter() - start, sum(counts)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+def engine_flags(spec: str | None, extra: list[str]) -> list[str]:
+    """The engine-core's flags for one setting (``spec``: its --speculative-config, None: off)."""
+    flags = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "512", "--num-kv-blocks", "512",
+             "--max-num-batched-tokens", "1024", "--max-num-seqs", "64", *extra]
+    return flags + (["--speculative-config", spec] if spec else [])
 
 
-async def measure(engine: Engine, setting: str, name: str, concurrency: str, requests: list, tag: str) -> Cell:
+async def measure(engine: EngineProc, setting: str, name: str, concurrency: str, requests: list) -> Cell:
     before = await engine.stats()
     level = len(requests) if concurrency == "sat" else int(concurrency)
-    seconds, tokens = await engine.run(requests, level, tag)
+    batch = await engine.run(requests, level)
     after = await engine.stats()
-    return Cell(setting, name, concurrency, seconds, tokens,
+    return Cell(setting, name, concurrency, batch.seconds, batch.output_tokens,
                 after.spec_decode.num_draft_tokens - before.spec_decode.num_draft_tokens,
                 after.spec_decode.num_accepted_tokens - before.spec_decode.num_accepted_tokens,
                 after.spec_decode.num_drafts - before.spec_decode.num_drafts)
@@ -141,11 +102,12 @@ async def measure(engine: Engine, setting: str, name: str, concurrency: str, req
 
 async def bench(args: argparse.Namespace, settings: dict[str, str | None], workdir: Path) -> list[Cell]:
     extra = ["--worker-threads", str(args.worker_threads)] if args.worker_threads else []
-    engines = {name: Engine(args.model_dir, spec, workdir, name, extra) for name, spec in settings.items()}
+    engines = {name: EngineProc(str(args.model_dir), workdir, name, engine_flags(spec, extra))
+               for name, spec in settings.items()}
     cells: list[Cell] = []
     try:
         for engine in engines.values():
-            await engine.client.connect(timeout=300)
+            await engine.start(timeout=300)
         for round_index in range(args.rounds):
             order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
             for name in ("copy", "free"):
@@ -153,16 +115,14 @@ async def bench(args: argparse.Namespace, settings: dict[str, str | None], workd
                     num = args.num_requests if concurrency != "1" else max(2, args.num_requests // 2)
                     requests = workload(name, num, seed=round_index + 1, max_tokens=args.max_tokens)
                     for setting in order:
-                        tag = f"{setting}-{name}-{concurrency}-{round_index}"
-                        cell = await measure(engines[setting], setting, name, concurrency, requests, tag)
+                        cell = await measure(engines[setting], setting, name, concurrency, requests)
                         cells.append(cell)
                         print(f"round {round_index} {setting:>12} {name:>5} c={concurrency:>3}: "
                               f"{cell.tok_per_s:7.1f} tok/s, acceptance {cell.acceptance_rate:.2f}, "
                               f"mean accepted length {cell.mean_accepted_length:.2f}", flush=True)
     finally:
         for engine in engines.values():
-            await engine.client.close()
-            engine.stop()
+            await engine.close()
     return cells
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from evenflow.frontend.clients.engine_client import EngineClient
 from evenflow.protocol import SamplingParams, SchedulerStats
+from evenflow.protocol.lifeline import stop_processes
 
 
 @dataclass
@@ -72,11 +73,5 @@ class EngineProc:
 
     async def close(self) -> None:
         await self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_processes([self.proc], timeout=15)
         self.log.close()

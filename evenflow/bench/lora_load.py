@@ -12,8 +12,6 @@ wall time; ITL is every gap between a request's consecutive tokens.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ import numpy as np
 from evenflow.bench.stats import dist_ms
 from evenflow.frontend.clients.engine_client import EngineClient
 from evenflow.protocol import AdapterRef, SamplingParams
+from evenflow.protocol.lifeline import stop_processes
 
 
 @dataclass
@@ -49,13 +48,7 @@ def start_engine(model: Path, address: str, log: Path, flags: list[str]) -> subp
 
 
 def stop_engine(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    stop_processes([proc], timeout=20, kill_group=True)
 
 
 async def connect(address: str, timeout: float = 300.0) -> EngineClient:

@@ -19,7 +19,6 @@ import itertools
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import msgspec
 
 from evenflow.protocol import AdapterRef, LoRALoad
 from evenflow.protocol import SamplingParams as EngineSamplingParams
+from evenflow.protocol.lifeline import stop_processes
 from evenflow.protocol.lora import LoRARequest
 from evenflow.protocol.validation import check_context_length, check_prompt_token_ids, check_sampling_params
 
@@ -297,13 +297,8 @@ class LLM:
             pass
         if in_process is not None:
             in_process.stop(timeout=10)
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        if proc is not None:
+            stop_processes([proc], timeout=10)
         self._log.close()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
         atexit.unregister(self.shutdown)

@@ -18,13 +18,12 @@ import argparse
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Callable, Sequence
 
-from evenflow.protocol.lifeline import child_env
+from evenflow.protocol.lifeline import child_env, stop_processes
 
 from evenflow.frontend.default_model import RANDOM_DEMO, choose_demo, is_demo_request
 from evenflow.frontend.flags import RUNTIME_LORA_ENV, add_frontend_flags
@@ -48,20 +47,6 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="engine-cores (replicas with their own workers and KV cache) behind the frontends")
     add_frontend_flags(p)
     return p
-
-
-def _stop(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
-    """SIGTERM every live child, wait, then SIGKILL the stragglers (by PID, children only)."""
-    for p in procs:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def cpu_shares(n: int) -> list[set[int] | None]:
@@ -182,8 +167,8 @@ def serve_main(argv: Sequence[str]) -> int:
             time.sleep(0.2)
     finally:
         # Frontends first (they drain and close their engine connections), then the engine-core.
-        _stop([c.proc for c in frontends if c.proc is not None])
-        _stop([c.proc for c in engines if c.proc is not None])
+        stop_processes([c.proc for c in frontends if c.proc is not None], timeout=15.0)
+        stop_processes([c.proc for c in engines if c.proc is not None], timeout=15.0)
         reserved.close()
         shutil.rmtree(workdir, ignore_errors=True)
     return code

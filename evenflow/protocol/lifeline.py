@@ -5,6 +5,8 @@ The launcher puts its pid in ``EVENFLOW_PARENT_PID``; the child calls ``die_with
 thing. On Linux the kernel does it (``PR_SET_PDEATHSIG``: a signal when the parent exits); elsewhere
 a daemon thread polls the parent pid. Processes started by hand (no variable) are left alone, so a
 service manager or a shell stays in charge of them.
+
+``stop_processes`` is the other end: how a launcher stops the children it started.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 PARENT_PID_ENV = "EVENFLOW_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
@@ -51,3 +55,22 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
 
         threading.Thread(target=poll, name="parent-watch", daemon=True).start()
     return True
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], timeout: float, kill_group: bool = False) -> None:
+    """SIGTERM every one still running (by PID), wait ``timeout`` seconds for them all together,
+    then SIGKILL each that lingers: its process group with ``kill_group`` (it was started as the
+    leader of one, so its own children go too)."""
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            if kill_group:
+                os.killpg(p.pid, signal.SIGKILL)
+            else:
+                os.kill(p.pid, signal.SIGKILL)
+            p.wait()

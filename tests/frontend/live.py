@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from evenflow.protocol.lifeline import stop_processes
 
 
 def free_port() -> int:
@@ -29,16 +30,7 @@ def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> subp
 
 def stop(procs: list[subprocess.Popen], timeout: float = 20.0) -> None:
     """SIGTERM each by PID, then SIGKILL its process group if it lingers (it started that group)."""
-    for p in procs:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    stop_processes(procs, timeout, kill_group=True)
 
 
 def wait_for(predicate, timeout: float, procs: list[subprocess.Popen], logs: list[Path]) -> None:  # noqa: ANN001

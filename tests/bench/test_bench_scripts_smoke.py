@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,16 @@ def test_profile_step_time_fits_a_small_grid(tiny_llama) -> None:  # type: ignor
     mixed = [line for line in shapes if line.count("|") == 3]
     assert len(mixed) == 8 and all(float(line.split("|")[1].split()[0]) > 0 for line in shapes)
     assert lines[-1].startswith("median |error| of a step:")
+
+
+def test_bench_trees_compares_a_tree_with_itself_round_by_round() -> None:
+    repo = str(Path(__file__).resolve().parents[2])
+    proc = run_script("bench_trees.py", ["--old", repo, "--new", repo, "--rounds", "2", "--",
+                                         "scripts/bench_scheduler.py", "--steps", "3"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _table_rows(proc.stdout)
+    assert [r[0] for r in rows][:3] == ["64 decodes", "256 decodes", "1024 decodes"]
+    for r in rows:  # old r1, old r2, new r1, new r2, the two bests (the minima), their ratio
+        old, new = [float(c) for c in r[1:3]], [float(c) for c in r[3:5]]
+        assert (float(r[5]), float(r[6])) == (min(old), min(new))
+        assert float(r[7]) == pytest.approx(min(new) / min(old), abs=1e-3)

@@ -79,7 +79,7 @@ def test_profile_step_time_fits_a_small_grid(tiny_llama) -> None:  # type: ignor
 def test_bench_trees_compares_a_tree_with_itself_round_by_round() -> None:
     repo = str(Path(__file__).resolve().parents[2])
     proc = run_script("bench_trees.py", ["--old", repo, "--new", repo, "--rounds", "2", "--",
-                                         "scripts/bench_scheduler.py", "--steps", "3"])
+                                         "scripts/bench_scheduler.py", "--steps", "3"], timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _table_rows(proc.stdout)
     assert [r[0] for r in rows][:3] == ["64 decodes", "256 decodes", "1024 decodes"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from evenflow.core.sched.auto_target import AUTO_TARGET_DECODE_MULTIPLE, AUTO_TARGET_FLOOR_S, AutoTarget
-from evenflow.core.sched.budget_controller import GAPS_OVER_TARGET, PREFILL_MIN_SHARE
+from evenflow.core.sched.budget_controller import AIM_WINDOW, GAPS_OVER_TARGET, PREFILL_MIN_SHARE
 from evenflow.core.sched.budget_trace import TRACE_ENV
 from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.sched.scheduler import Scheduler
@@ -85,6 +85,42 @@ def test_the_aim_lets_about_one_percent_of_the_gaps_run_over_the_target() -> Non
     assert GAPS_OVER_TARGET / 3 <= over <= GAPS_OVER_TARGET * 3, over
     assert np.percentile(carried, 99) <= target_s * 1.05
     assert np.median(carried) >= target_s * 0.85  # a 95th-percentile margin on every step aimed ~8% lower
+
+
+def test_the_derived_target_follows_the_decode_step_when_no_step_is_decode_only() -> None:
+    """Prompts queued behind each other leave no decode-only step: the decodes' share of the prefill
+    steps tells the decode step instead (fed by decode-only steps alone, the target sat at its floor)."""
+    machine = SyntheticMachine(fixed=30e-3, per_token=200e-6)
+    scheduler = scheduler_with_streams(auto_target_itl=True)
+    decode_only = 0
+    for i in range(600):
+        if not any(r.is_prefilling for r in scheduler.requests.values() if not r.request_id.startswith("stream")):
+            add(scheduler, f"long-{i}", LONG_PROMPT)
+        output, _ = step(scheduler, machine.step_seconds)
+        decode_only += i >= 20 and output.total_num_scheduled_tokens == len(output.num_scheduled_tokens)
+    decodes_alone = machine.step_seconds(SchedulerOutput(
+        0, [], [c for c in output.scheduled_cached_reqs if c.req_id.startswith("stream")],
+        {r: 1 for r in output.num_scheduled_tokens if r.startswith("stream")}, NUM_STREAMS))
+    assert decode_only == 0
+    assert scheduler.get_stats().target_itl_s == pytest.approx(AUTO_TARGET_DECODE_MULTIPLE * decodes_alone, rel=0.15)
+
+
+def test_the_aim_comes_back_within_a_window_after_a_burst_of_slow_steps() -> None:
+    """Thirty steps at twice their time (a pause of the host) lower the aim while they are in its
+    window, and it comes back once they leave it (only the aimed prefill steps enter it: two
+    windows of steps here; a tracker that stepped down 5% of the target per slow
+    step and up 100x less per fast one took ~1000 steps to come back)."""
+    machine, rng = SyntheticMachine(), random.Random(1)
+    target_s = 10e-3
+    scheduler = scheduler_with_streams(target_itl_ms=target_s * 1e3)
+    carried = []
+    for i in range(530 + 2 * AIM_WINDOW + 100):
+        keep_a_long_prompt_waiting(scheduler, i)
+        slow = 2.0 if 500 <= i < 530 else 1.0
+        output, seconds = step(scheduler, lambda o: machine.step_seconds(o) * slow * rng.lognormvariate(0, 0.05))
+        if i >= 530 + 2 * AIM_WINDOW and cut_by_the_allowance(scheduler, output):
+            carried.append(seconds)
+    assert len(carried) > 50 and np.median(carried) >= target_s * 0.85
 
 
 def test_a_prompt_gets_its_share_when_the_decodes_alone_take_the_target() -> None:

@@ -14,8 +14,8 @@ inter-token latency at
   and its first token came 1.6-2.1x later than unchunked; at k = 6, 1.2-1.45x, the streams' p99 on
   the target.
 * The floor is what a reader cannot tell apart: 50 ms a token is 20 tokens/s, faster than anyone
-  reads a stream. A small model whose decode step is a few ms gets this floor, not 4x its step, and
-  its prompts chunks several times larger than 4x would allow.
+  reads a stream. A small model whose decode step is a few ms gets this floor, not 6x its step, and
+  its prompts chunks several times larger than 6x would allow.
 * The decode step is measured, not configured: a multiplicative median tracker over the measured
   decode-only steps (up or down by ``DECODE_STEP_TRACKING`` a step), so it follows a slower machine,
   more streams or longer contexts within a few dozen steps, and a rare slow step moves it by 2%.

@@ -65,7 +65,7 @@ def test_without_a_target_the_controller_derives_one_from_the_decode_steps() -> 
     target_s = AUTO_TARGET_DECODE_MULTIPLE * float(np.median(decode_only))
     assert stats.target_itl_s == pytest.approx(target_s, rel=0.05) and stats.target_itl_s > AUTO_TARGET_FLOOR_S
     # The steps that carry a long prompt fill the derived target (a noiseless machine: the aim settles at it).
-    assert carried and max(carried) <= stats.target_itl_s * 1.02 and np.mean(carried) >= stats.target_itl_s * 0.95
+    assert carried and max(carried) <= stats.target_itl_s * 1.05 and np.mean(carried) >= stats.target_itl_s * 0.95
 
 
 def test_the_aim_lets_about_one_percent_of_the_gaps_run_over_the_target() -> None:
@@ -156,6 +156,29 @@ def test_the_trace_writes_each_planned_step(tmp_path: Path, monkeypatch: pytest.
     last = rows[-1]
     assert last["target_ms"] == 10.0 and last["decodes"] == NUM_STREAMS and 0 < last["prefill_tokens"] <= last["allowance"]
     assert last["measured_ms"] == pytest.approx(last["predicted_ms"], rel=0.02)  # a noiseless machine, fitted
+
+
+def test_a_chunk_with_no_decodes_beside_it_does_not_grant_trust() -> None:
+    """A lone prompt takes the whole budget; that chunk says nothing of what a chunk beside streams may
+    cost, so it must not lift the trust bound (it did: a fit that saw no price in prompt tokens then
+    gave 1,700 tokens to a step beside 8 streams, 330 ms against a 50 ms target). Chunks beside decodes
+    that kept the target grow it, by doubling."""
+    machine = SyntheticMachine(fixed=5e-3, per_token=100e-6)
+    scheduler = Scheduler(SchedulerConfig(num_kv_blocks=4096, max_num_batched_tokens=2048, max_model_len=4096,
+                                          max_num_seqs=64, target_itl_ms=50.0))
+    add(scheduler, "lone", LONG_PROMPT)
+    output, _ = step(scheduler, machine.step_seconds)
+    controller = scheduler.budget_controller
+    assert output.num_scheduled_tokens["lone"] == LONG_PROMPT and controller.largest_prefill_seen == 0
+    for i in range(NUM_STREAMS):
+        add(scheduler, f"stream-{i}", 64, max_tokens=100_000)
+    sizes = []
+    for i in range(300):
+        keep_a_long_prompt_waiting(scheduler, i)
+        output, seconds = step(scheduler, machine.step_seconds)
+        assert seconds <= 2 * 0.050 or i < 20  # first the streams start, with no decode beside them
+        sizes.append(controller.largest_prefill_seen)
+    assert 0 < sizes[20] < sizes[-1]
 
 
 def test_an_allowance_is_sized_by_the_model_that_predicts_the_step() -> None:

@@ -181,13 +181,16 @@ class BudgetController:
         """The largest P whose step (``base_s`` plus a chunk of P after the first prefill's context) is
         predicted within ``seconds``."""
         c = survey.first_prefill_context
+        if base_s <= 0:  # a fit that prices the decodes alone at nothing or less says nothing of a chunk
+            return self.largest_prefill_seen
         slack = base_s - seconds  # negative: room for prefill
         if slack >= 0:
             return 0
         # A chunk of P after C: P tokens, C + P reads, P * (C + (P + 1) / 2) pairs, so
         # per_pair/2 * P^2 + (per_token + per_read + per_pair * (C + 1/2)) * P + slack <= 0
         # (The fitted costs may be negative: a < 0 is read as 0, the conservative side; b <= 0 with
-        # a <= 0 is a fit that sees no price in prompt tokens, which trust then bounds.)
+        # a <= 0 is a fit that sees no price in prompt tokens: no growth on its word, the largest
+        # chunk trusted so far; a doubling there took a tiny model's step to 2.1x its target.)
         a = cost.per_pair / 2
         b = cost.per_token + cost.per_read + cost.per_pair * (c + 0.5)
         if a > 0:
@@ -195,7 +198,7 @@ class BudgetController:
         elif b > 0:
             p = -slack / b
         else:
-            return self.max_tokens
+            return self.largest_prefill_seen
         return int(min(p, self.max_tokens))
 
     def record(self, output: SchedulerOutput, gate: PrefillGate) -> None:

@@ -181,6 +181,21 @@ def test_a_chunk_with_no_decodes_beside_it_does_not_grant_trust() -> None:
     assert 0 < sizes[20] < sizes[-1]
 
 
+def test_a_fit_that_prices_prompt_tokens_at_nothing_grows_no_chunk() -> None:
+    """Costs fitted below zero (a tiny model's noisy steps: decodes alone predicted at -143 ms) would
+    size any chunk as free; the allowance stays at the largest chunk trusted so far."""
+    from evenflow.core.sched.budget_controller import MIN_OBSERVATIONS, BudgetController
+    from evenflow.core.sched.prefill_gate import RunningSurvey
+
+    controller = BudgetController(target_s=0.050, max_tokens=2048, max_model_len=4096, max_requests=64)
+    controller.model.num_observations = MIN_OBSERVATIONS
+    controller.largest_prefill_seen = 96
+    survey = RunningSurvey(decodes=8, decode_context=8 * 300, prefills=1, first_prefill_context=1000)
+    for theta in ([-0.2, 0.5, 0.0, 0.0, 0.0], [0.01, -0.05, 0.0, 0.0, 0.0]):  # decodes alone <= 0; no token price
+        controller.model.theta = np.array(theta)
+        assert controller.prefill_allowance(survey) == 96, theta
+
+
 def test_an_allowance_is_sized_by_the_model_that_predicts_the_step() -> None:
     """Fitted on nothing but 16-token chunks beside decodes (the floor's steps), the model may split its
     costs any way that fits them; the allowance must still be the largest P whose *predicted* step is

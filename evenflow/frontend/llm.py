@@ -128,8 +128,6 @@ class LLM:
         self._tmpdir = tempfile.mkdtemp(prefix="evenflow-llm-")
         self.address = f"ipc://{self._tmpdir}/engine.sock"
         self.log_path = Path(self._tmpdir) / "engine-core.log"
-        if engine_args.get("max_num_batched_tokens") is None and engine_args.get("target_itl_ms") is None:
-            engine_args["target_itl_ms"] = 0  # offline has no stream to keep steady: the fixed budget
         flags = engine_args_to_flags(engine_args)
         self._log = open(self.log_path, "wb")
         self._proc: subprocess.Popen | None = None

@@ -31,14 +31,14 @@ def test_defaults_and_flags(model: str) -> None:
 def test_adaptive_budget_and_partial_prefill_flags(model: str) -> None:
     cfg = config_from_args(["--model", model])
     assert (cfg.target_itl_ms, cfg.max_num_partial_prefills, cfg.max_long_partial_prefills) == (None, 1, 1)
-    assert cfg.auto_target_itl and cfg.max_num_batched_tokens == 2048  # no flag: the derived target, 2048 its ceiling
+    assert not cfg.auto_target_itl and cfg.max_num_batched_tokens == 2048  # no flag: the fixed 2048 budget
     cfg = config_from_args(["--model", model, "--target-itl-ms", "40", "--max-num-partial-prefills", "4",
                             "--max-long-partial-prefills", "2"])
     assert (cfg.target_itl_ms, cfg.max_num_partial_prefills, cfg.max_long_partial_prefills) == (40.0, 4, 2)
 
 
 @pytest.mark.parametrize("flags, mode", [
-    ([], (True, None, 2048)),  # neither flag: the derived target, under vLLM's CPU budget as its ceiling
+    ([], (False, None, 2048)),  # neither flag: vLLM's fixed CPU budget
     (["--target-itl-ms", "auto"], (True, None, 2048)),  # the derived target under that budget
     (["--target-itl-ms", "auto", "--max-num-batched-tokens", "512"], (True, None, 512)),
     (["--max-num-batched-tokens", "512"], (False, None, 512)),  # the budget alone: fixed, as in vLLM

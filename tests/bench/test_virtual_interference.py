@@ -4,10 +4,11 @@ real-model figures: a 48 ms decode step of 6 streams, a 1.9 s unchunked 2048-tok
 from __future__ import annotations
 
 from evenflow.bench.virtual_interference import MachineCosts, Workload, run
+from evenflow.core.sched.auto_target import AUTO_TARGET_DECODE_MULTIPLE
 from evenflow.core.sched.config import SchedulerConfig
 
 COSTS = MachineCosts((0.042, 0.0009, 2e-7, 1.2e-8, 1e-4))
-LOAD = Workload(streams=6, long_interval_s=7.6, duration_s=25.0)
+LOAD = Workload(streams=6, long_interval_s=7.6, duration_s=61.0)  # eight long prompts, as the benchmark
 
 
 def summary(**options: object) -> dict[str, float]:
@@ -18,8 +19,7 @@ def summary(**options: object) -> dict[str, float]:
 def test_the_default_keeps_the_streams_steady_at_the_unchunked_throughput() -> None:
     default, fixed = summary(auto_target_itl=True), summary(max_num_batched_tokens=2048)
     assert default["itl_max"] < fixed["itl_max"] / 4  # the issue's bar: a quarter of the worst stall
-    assert default["gaps_over_250"] == 0 < fixed["gaps_over_250"]
+    # The streams' p99 within 1.15x of the target chosen (the decode step, the gaps' median, times the multiple).
+    assert default["itl_p99"] <= 1.15 * AUTO_TARGET_DECODE_MULTIPLE * default["itl_p50"] < fixed["itl_max"]
     assert default["out_tok_s"] >= 0.95 * fixed["out_tok_s"]
-    # Three long prompts: each one's TTFT depends on where it lands against the streams' restarts
-    # (2.6-3.3 s here); over eight (the benchmark's 61 s) the median is 1.5x.
-    assert default["ttft_p50"] <= 1.8 * fixed["ttft_p50"]
+    assert default["ttft_p50"] <= 1.5 * fixed["ttft_p50"]  # 1.21x here

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from evenflow.core.sched.auto_target import AUTO_TARGET_DECODE_MULTIPLE, AUTO_TARGET_FLOOR_S, AutoTarget
-from evenflow.core.sched.budget_controller import GAPS_OVER_TARGET, PREFILL_MIN_SHARE
+from evenflow.core.sched.budget_controller import AIM_WINDOW, GAPS_OVER_TARGET, PREFILL_MIN_SHARE
 from evenflow.core.sched.budget_trace import TRACE_ENV
 from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.sched.scheduler import Scheduler
@@ -66,7 +66,7 @@ def test_without_a_target_the_controller_derives_one_from_the_decode_steps() -> 
     target = stats.budget.target_itl_s
     assert target == pytest.approx(target_s, rel=0.05) and target > AUTO_TARGET_FLOOR_S
     # The steps that carry a long prompt fill the derived target (a noiseless machine: the aim settles at it).
-    assert carried and max(carried) <= target * 1.02 and np.mean(carried) >= target * 0.95
+    assert carried and max(carried) <= target * 1.05 and np.mean(carried) >= target * 0.95
 
 
 def test_the_aim_lets_about_one_percent_of_the_gaps_run_over_the_target() -> None:
@@ -86,6 +86,42 @@ def test_the_aim_lets_about_one_percent_of_the_gaps_run_over_the_target() -> Non
     assert GAPS_OVER_TARGET / 3 <= over <= GAPS_OVER_TARGET * 3, over
     assert np.percentile(carried, 99) <= target_s * 1.05
     assert np.median(carried) >= target_s * 0.85  # a 95th-percentile margin on every step aimed ~8% lower
+
+
+def test_the_derived_target_follows_the_decode_step_when_no_step_is_decode_only() -> None:
+    """Prompts queued behind each other leave no decode-only step: the decodes' share of the prefill
+    steps tells the decode step instead (fed by decode-only steps alone, the target sat at its floor)."""
+    machine = SyntheticMachine(fixed=30e-3, per_token=200e-6)
+    scheduler = scheduler_with_streams(auto_target_itl=True)
+    decode_only = 0
+    for i in range(600):
+        if not any(r.is_prefilling for r in scheduler.requests.values() if not r.request_id.startswith("stream")):
+            add(scheduler, f"long-{i}", LONG_PROMPT)
+        output, _ = step(scheduler, machine.step_seconds)
+        decode_only += i >= 20 and output.total_num_scheduled_tokens == len(output.num_scheduled_tokens)
+    decodes_alone = machine.step_seconds(SchedulerOutput(
+        0, [], [c for c in output.scheduled_cached_reqs if c.req_id.startswith("stream")],
+        {r: 1 for r in output.num_scheduled_tokens if r.startswith("stream")}, NUM_STREAMS))
+    assert decode_only == 0
+    assert scheduler.get_stats().budget.target_itl_s == pytest.approx(AUTO_TARGET_DECODE_MULTIPLE * decodes_alone, rel=0.15)
+
+
+def test_the_aim_comes_back_within_a_window_after_a_burst_of_slow_steps() -> None:
+    """Thirty steps at twice their time (a pause of the host) lower the aim while they are in its
+    window, and it comes back once they leave it (only the aimed prefill steps enter it: two
+    windows of steps here; a tracker that stepped down 5% of the target per slow
+    step and up 100x less per fast one took ~1000 steps to come back)."""
+    machine, rng = SyntheticMachine(), random.Random(1)
+    target_s = 10e-3
+    scheduler = scheduler_with_streams(target_itl_ms=target_s * 1e3)
+    carried = []
+    for i in range(530 + 2 * AIM_WINDOW + 100):
+        keep_a_long_prompt_waiting(scheduler, i)
+        slow = 2.0 if 500 <= i < 530 else 1.0
+        output, seconds = step(scheduler, lambda o: machine.step_seconds(o) * slow * rng.lognormvariate(0, 0.05))
+        if i >= 530 + 2 * AIM_WINDOW and cut_by_the_allowance(scheduler, output):
+            carried.append(seconds)
+    assert len(carried) > 50 and np.median(carried) >= target_s * 0.85
 
 
 def test_a_prompt_gets_its_share_when_the_decodes_alone_take_the_target() -> None:
@@ -121,6 +157,44 @@ def test_the_trace_writes_each_planned_step(tmp_path: Path, monkeypatch: pytest.
     last = rows[-1]
     assert last["target_ms"] == 10.0 and last["decodes"] == NUM_STREAMS and 0 < last["prefill_tokens"] <= last["allowance"]
     assert last["measured_ms"] == pytest.approx(last["predicted_ms"], rel=0.02)  # a noiseless machine, fitted
+
+
+def test_a_chunk_with_no_decodes_beside_it_does_not_grant_trust() -> None:
+    """A lone prompt takes the whole budget; that chunk says nothing of what a chunk beside streams may
+    cost, so it must not lift the trust bound (it did: a fit that saw no price in prompt tokens then
+    gave 1,700 tokens to a step beside 8 streams, 330 ms against a 50 ms target). Chunks beside decodes
+    that kept the target grow it, by doubling."""
+    machine = SyntheticMachine(fixed=5e-3, per_token=100e-6)
+    scheduler = Scheduler(SchedulerConfig(num_kv_blocks=4096, max_num_batched_tokens=2048, max_model_len=4096,
+                                          max_num_seqs=64, target_itl_ms=50.0))
+    add(scheduler, "lone", LONG_PROMPT)
+    output, _ = step(scheduler, machine.step_seconds)
+    controller = scheduler.budget_controller
+    assert output.num_scheduled_tokens["lone"] == LONG_PROMPT and controller.largest_prefill_seen == 0
+    for i in range(NUM_STREAMS):
+        add(scheduler, f"stream-{i}", 64, max_tokens=100_000)
+    sizes = []
+    for i in range(300):
+        keep_a_long_prompt_waiting(scheduler, i)
+        output, seconds = step(scheduler, machine.step_seconds)
+        assert seconds <= 2 * 0.050 or i < 20  # first the streams start, with no decode beside them
+        sizes.append(controller.largest_prefill_seen)
+    assert 0 < sizes[20] < sizes[-1]
+
+
+def test_a_fit_that_prices_prompt_tokens_at_nothing_grows_no_chunk() -> None:
+    """Costs fitted below zero (a tiny model's noisy steps: decodes alone predicted at -143 ms) would
+    size any chunk as free; the allowance stays at the largest chunk trusted so far."""
+    from evenflow.core.sched.budget_controller import MIN_OBSERVATIONS, BudgetController
+    from evenflow.core.sched.prefill_gate import RunningSurvey
+
+    controller = BudgetController(target_s=0.050, max_tokens=2048, max_model_len=4096, max_requests=64)
+    controller.model.num_observations = MIN_OBSERVATIONS
+    controller.largest_prefill_seen = 96
+    survey = RunningSurvey(decodes=8, decode_context=8 * 300, prefills=1, first_prefill_context=1000)
+    for theta in ([-0.2, 0.5, 0.0, 0.0, 0.0], [0.01, -0.05, 0.0, 0.0, 0.0]):  # decodes alone <= 0; no token price
+        controller.model.theta = np.array(theta)
+        assert controller.prefill_allowance(survey) == 96, theta
 
 
 def test_an_allowance_is_sized_by_the_model_that_predicts_the_step() -> None:

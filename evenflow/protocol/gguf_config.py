@@ -109,7 +109,7 @@ def _rope_config(gguf_file: GGUFFile, arch: str, context_length: int | None) -> 
         raise GGUFFileError(f"{gguf_file.path}: rope.scaling.attn_factor {attn_factor} with {kind!r} scaling is not "
                             f"supported")
     if kind == "linear":
-        return {"rope_scaling": {"rope_type": "linear", "factor": float(factor)}}
+        return {} if factor in (None, 0, 1) else {"rope_scaling": {"rope_type": "linear", "factor": float(factor)}}
     if kind != "yarn":
         raise GGUFFileError(f"{gguf_file.path}: rope scaling {kind!r} is not supported (supported: linear, yarn, "
                             f"llama3's rope_freqs)")

@@ -151,7 +151,7 @@ def comparison_table(ms: list[Measurement], engines: list[str]) -> str:
                     cell += " [" + " ".join(_ratio(_median(pick(e, r), path), _median(pick(base, r), path))
                                             for r in rounds) + "]"
                 cells.append(f"{e}: {cell}")
-            lines.append(f"  {label:16}" + "   ".join(cells))
+            lines.append(f"  {label:18}" + "   ".join(cells))
     return "\n".join(lines)
 
 

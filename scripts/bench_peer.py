@@ -172,8 +172,12 @@ def _value(m: Measurement | None, path: str) -> float | None:
     groups = m.result.stats.groups
     if ":" in path:
         kind, path = path.split(":", 1)
-        return read(groups[kind], path) if kind in groups else None
-    group = groups["all"] if path.endswith("throughput") else focus_group(m.result)[1]
+        group = groups.get(kind)
+    else:
+        group = groups["all"] if path.endswith("throughput") else focus_group(m.result)[1]
+    # A group none of whose requests completed has no latencies (its zeros are not measurements).
+    if group is None or (not path.endswith("throughput") and group.completed == 0):
+        return None
     return read(group, path)
 
 

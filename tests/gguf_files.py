@@ -4,6 +4,7 @@ llama/mistral, metadata keys), plus a byte-level tokenizer of the 256 bytes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,12 @@ def byte_tokens() -> list[str]:
 
 
 def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
-               arch_override: str | None = None, metadata: dict[str, Any] | None = None) -> Path:
-    """Write ``hf_dir`` as a GGUF (matrices stored as ``qtype``, vectors as F32)."""
+               arch_override: str | None = None, metadata: dict[str, Any] | None = None,
+               tokenizer: Callable[[gguf.GGUFWriter], None] | None = None,
+               extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
+    """Write ``hf_dir`` as a GGUF (matrices stored as ``qtype``, vectors as F32). ``tokenizer`` writes
+    the ``tokenizer.ggml.*`` keys (default: the 256-byte byte-level BPE); ``extra_tensors`` are
+    written as they are (``rope_freqs.weight``, ...)."""
     import json
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -72,14 +77,17 @@ def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType = gguf.
         writer.add_value_length(cfg["head_dim"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == gguf.GGMLQuantizationType.F32
                          else gguf.LlamaFileType.MOSTLY_Q8_0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    tokens = byte_tokens()[: cfg["vocab_size"]]
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
-    writer.add_token_merges([])
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"])
+    if tokenizer is not None:
+        tokenizer(writer)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        tokens = byte_tokens()[: cfg["vocab_size"]]
+        writer.add_token_list(tokens)
+        writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+        writer.add_token_merges([])
+        writer.add_bos_token_id(cfg["bos_token_id"])
+        writer.add_eos_token_id(cfg["eos_token_id"])
     for key, value in (metadata or {}).items():
         writer.add_key_value(key, value, _value_type(value))
     permuted = arch in ("llama", "mistral")
@@ -94,6 +102,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType = gguf.
             writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)  # the writer derives the shape from the bytes
         else:
             writer.add_tensor(gguf_name(name), w)
+    for name, values in (extra_tensors or {}).items():
+        writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

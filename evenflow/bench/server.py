@@ -172,6 +172,7 @@ class ManagedServer:
     def __init__(self, spec: ServerSpec) -> None:
         self.spec = spec
         self._proc: subprocess.Popen[bytes] | None = None
+        self.ready_s: float | None = None  # seconds from launch to the first healthy answer (start-up time)
 
     def __enter__(self) -> ManagedServer:
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -195,7 +196,8 @@ class ManagedServer:
 
     def _wait_ready(self) -> None:
         assert self._proc is not None
-        deadline = time.monotonic() + self.spec.ready_timeout_s
+        started = time.monotonic()
+        deadline = started + self.spec.ready_timeout_s
         url = self.spec.base_url + "/health"
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -203,10 +205,11 @@ class ManagedServer:
             try:
                 with urllib.request.urlopen(url, timeout=2) as resp:
                     if resp.status == 200:
+                        self.ready_s = time.monotonic() - started
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
-            time.sleep(0.5)
+            time.sleep(0.2)
         raise TimeoutError(f"{self.spec.name} not ready after {self.spec.ready_timeout_s} s; log: {self.spec.log_path}")
 
     def stop(self) -> None:

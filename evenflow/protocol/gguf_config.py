@@ -7,9 +7,11 @@ the HF keys the engine-core and the worker already read (``hidden_size``,
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from evenflow.protocol.gguf_file import GGUFFile, GGUFFileError, check_tensor_types, open_gguf
 
 # general.architecture -> the HF class the worker builds.
@@ -53,7 +55,7 @@ def gguf_to_hf_config(path: str | Path) -> tuple[dict[str, Any], list[int]]:
     missing = [k for k in _REQUIRED if k not in config]
     if missing:
         raise GGUFFileError(f"{path}: metadata has no {arch}.* key for {', '.join(missing)}")
-    _check_rope(gguf_file, arch)
+    config.update(_rope_config(gguf_file, arch, config.get("max_position_embeddings")))
     rotary = gguf_file.get(f"{arch}.rope.dimension_count")
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     if rotary is not None and int(rotary) != head_dim:
@@ -77,14 +79,58 @@ def gguf_to_hf_config(path: str | Path) -> tuple[dict[str, Any], list[int]]:
     return config, eos
 
 
-def _check_rope(gguf_file: GGUFFile, arch: str) -> None:
-    """Only plain rope is read from GGUF metadata; scaled rope (linear, yarn, llama3's rope_freqs) is refused."""
-    scaling = gguf_file.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise GGUFFileError(f"{gguf_file.path}: rope scaling {scaling!r} is not supported from GGUF metadata")
-    if any(t.name == "rope_freqs.weight" for t in gguf_file.tensors):
-        raise GGUFFileError(f"{gguf_file.path}: per-frequency rope factors (rope_freqs.weight, llama3 scaling) are not "
-                            f"supported from GGUF; serve the HF folder instead")
+def _rope_config(gguf_file: GGUFFile, arch: str, context_length: int | None) -> dict[str, Any]:
+    """The config.json rope keys of llama.cpp's ``{arch}.rope.scaling.*`` metadata and ``rope_freqs.weight``.
+
+    linear and yarn become transformers' ``rope_scaling`` (the inverse of llama.cpp's converter);
+    llama3's per-frequency divisors, which the converter writes as the ``rope_freqs.weight`` tensor
+    instead of the HF parameters, become ``rope_freq_factors`` (evenflow's key: HF has none).
+    """
+    def key(name: str) -> Any:
+        return gguf_file.get(f"{arch}.rope.scaling.{name}")
+
+    # llama.cpp reads a missing type as linear, and the factor from the older key where the new one is absent.
+    kind = key("type")
+    factor = key("factor") or gguf_file.get(f"{arch}.rope.scale_linear")
+    if kind is None and factor not in (None, 0, 1):
+        kind = "linear"
+    attn_factor = key("attn_factor")
+    freqs = next((t for t in gguf_file.tensors if t.name == "rope_freqs.weight"), None)
+    if kind not in (None, "none") and freqs is not None:
+        raise GGUFFileError(f"{gguf_file.path}: rope_freqs.weight together with rope scaling {kind!r} is not supported")
+    if freqs is not None:
+        if freqs.qtype.name not in ("F32", "F16"):
+            raise GGUFFileError(f"{gguf_file.path}: rope_freqs.weight is stored as {freqs.qtype.name} (F32 or F16 read)")
+        values = gguf_file.tensor_bytes(freqs).view(np.float32 if freqs.qtype.name == "F32" else np.float16)
+        return {"rope_freq_factors": [float(v) for v in values.reshape(-1)]}
+    if kind in (None, "none"):
+        return {}
+    if attn_factor not in (None, 1.0) and kind != "yarn":
+        raise GGUFFileError(f"{gguf_file.path}: rope.scaling.attn_factor {attn_factor} with {kind!r} scaling is not "
+                            f"supported")
+    if kind == "linear":
+        return {} if factor in (None, 0, 1) else {"rope_scaling": {"rope_type": "linear", "factor": float(factor)}}
+    if kind != "yarn":
+        raise GGUFFileError(f"{gguf_file.path}: rope scaling {kind!r} is not supported (supported: linear, yarn, "
+                            f"llama3's rope_freqs)")
+    ext_factor = key("yarn_ext_factor")
+    if ext_factor not in (None, 1.0):
+        raise GGUFFileError(f"{gguf_file.path}: yarn_ext_factor {ext_factor} is not supported (only 1, transformers')")
+    original = key("original_context_length") or context_length
+    if not factor or not original:
+        raise GGUFFileError(f"{gguf_file.path}: yarn rope scaling needs rope.scaling.factor and "
+                            f"rope.scaling.original_context_length")
+    yarn: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+    for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if key(gguf_key) is not None:
+            yarn[hf_key] = float(key(gguf_key))
+    # yarn_attn_factor is HF's attention_factor (what the converter writes there); llama.cpp's own
+    # attn_factor multiplies the temperature YaRN derives from the factor.
+    if key("yarn_attn_factor") is not None:
+        yarn["attention_factor"] = float(key("yarn_attn_factor")) * float(attn_factor or 1.0)
+    elif attn_factor is not None:
+        yarn["attention_factor"] = float(attn_factor) * (0.1 * math.log(float(factor)) + 1.0 if factor > 1 else 1.0)
+    return {"rope_scaling": yarn}
 
 
 def _embedding_rows(gguf_file: GGUFFile) -> int:

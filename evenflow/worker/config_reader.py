@@ -23,12 +23,21 @@ SUPPORTED_ARCHITECTURES = (
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """The ``llama3`` frequency rescaling (the only rope_scaling type supported besides none)."""
+    """A rope scaling (``evenflow.worker.models.rope`` computes it): transformers' ``linear``,
+    ``yarn`` and ``llama3``, or ``freq_factors`` (llama.cpp's per-frequency divisors)."""
 
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    rope_type: str
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0  # yarn, llama3
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; None: derived from factor (and mscale / mscale_all_dim)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn
+    freq_factors: tuple[float, ...] = ()  # freq_factors
 
 
 @dataclass(frozen=True)
@@ -56,21 +65,35 @@ class ModelConfig:
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """Return (rope_theta, llama3 scaling or None) from either config dialect."""
+    """Return (rope_theta, scaling or None) from either config dialect (or a GGUF's freq factors)."""
     params = raw.get("rope_parameters") or {}
-    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    theta = float(raw.get("rope_theta", params.get("rope_theta", 10000.0)))
+    if raw.get("rope_freq_factors"):
+        return theta, RopeScaling("freq_factors", freq_factors=tuple(float(f) for f in raw["rope_freq_factors"]))
     source = rope_scaling_of(raw)
     rope_type = source.get("rope_type", source.get("type", "default"))
     if rope_type in (None, "default"):
-        return float(theta), None
-    if rope_type != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, llama3)")
-    return float(theta), RopeScaling(
-        factor=float(source["factor"]),
-        low_freq_factor=float(source["low_freq_factor"]),
-        high_freq_factor=float(source["high_freq_factor"]),
-        original_max_position_embeddings=int(source["original_max_position_embeddings"]),
-    )
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", factor=float(source["factor"]))
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            "llama3",
+            factor=float(source["factor"]),
+            low_freq_factor=float(source["low_freq_factor"]),
+            high_freq_factor=float(source["high_freq_factor"]),
+            original_max_position_embeddings=int(source["original_max_position_embeddings"]),
+        )
+    if rope_type == "yarn":
+        original = int(source["original_max_position_embeddings"])
+        factor = source.get("factor") or int(raw.get("max_position_embeddings", original)) / original
+        optional = {k: float(source[k]) for k in ("attention_factor", "mscale", "mscale_all_dim") if source.get(k)}
+        return theta, RopeScaling(
+            "yarn", factor=float(factor), original_max_position_embeddings=original,
+            beta_fast=float(source.get("beta_fast") or 32.0), beta_slow=float(source.get("beta_slow") or 1.0),
+            truncate=bool(source.get("truncate", True)), **optional,
+        )
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, yarn, llama3)")
 
 
 def _sliding_window(raw: dict[str, Any]) -> int | None:

@@ -25,6 +25,8 @@ VARIANTS = {
     "llama-mha-llama3-rope": dict(num_key_value_heads=4, rope_scaling=dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=64)),
+    "llama-yarn-rope": dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
+    "llama-linear-rope": dict(rope_scaling=dict(rope_type="linear", factor=4.0)),
     "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None),
 }
 

@@ -6,11 +6,10 @@ Weights live as plain tensors in small modules so that the forward pass is a sho
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from evenflow.worker.config_reader import RopeScaling
+from evenflow.worker.models.rope import rope_frequencies
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,24 +27,6 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * normed.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in float32, with the ``llama3`` rescaling when given."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return inv_freq
-    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(medium, blended, scaled)
-
-
 class RotaryTable:
     """cos/sin for every position up to ``max_positions``, computed once.
 
@@ -61,12 +42,13 @@ class RotaryTable:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq, attention = rope_frequencies(head_dim, theta, scaling)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
         # Half-width tables: rotate-half RoPE uses the same angle for dims i and i + D/2.
-        self.cos = freqs.cos().to(dtype=dtype, device=device)
-        self.sin = freqs.sin().to(dtype=dtype, device=device)
+        # YaRN's attention factor scales q and k alike, so it is folded into the tables.
+        self.cos = (freqs.cos() * attention).to(dtype=dtype, device=device)
+        self.sin = (freqs.sin() * attention).to(dtype=dtype, device=device)
         self.max_positions = max_positions
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from evenflow.worker.models.linear import Linear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack
+from evenflow.worker.models.row_tiles import in_row_tiles
 
 log = logging.getLogger("evenflow.worker.int4")
 
@@ -58,7 +59,9 @@ class Int4CpuLinear:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), weight.packed, GROUP, weight.scale_zeros).to(x.dtype)
         else:
-            y = F.linear(x.to(self.plan.dense_dtype), weight.dequantize(self._scratch_for(weight))).to(x.dtype)
+            dense = weight.dequantize(self._scratch_for(weight))
+            # oneDNN (bfloat16) keeps a primitive per row count: bounded by row_tiles.
+            y = in_row_tiles(lambda rows: F.linear(rows, dense), x.to(self.plan.dense_dtype)).to(x.dtype)
         return y if bias is None else y + bias
 
     def _scratch_for(self, weight: Int4Weight) -> torch.Tensor:

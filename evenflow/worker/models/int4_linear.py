@@ -50,10 +50,18 @@ class Int4CpuLinear:
         self._scratch: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # one dequantized weight per shape
         self.prepare = dense.prepare  # dense weights are laid out by the wrapped kernel
 
+    def act_dtype(self, weight: torch.Tensor | Int4Weight, rows: int) -> torch.dtype:
+        """The dtype a step of ``rows`` rows computes ``weight``'s product in; an ``x`` already in it is
+        not cast, and the result comes back in ``x``'s dtype."""
+        if type(weight) is not Int4Weight:
+            return self.dense.act_dtype(weight, rows)
+        return torch.bfloat16 if rows <= self.plan.max_int4_rows else self.plan.dense_dtype
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None
                  ) -> torch.Tensor:
         if type(weight) is not Int4Weight:
-            return self.dense(x, weight, bias)
+            want = self.dense.act_dtype(weight, x.shape[0])
+            return self.dense(x if x.dtype == want else x.to(want), weight, bias)
         if x.shape[0] <= self.plan.max_int4_rows:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), weight.packed, GROUP, weight.scale_zeros).to(x.dtype)

@@ -279,32 +279,41 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary.lookup(positions)
         x = self.embed_tokens(input_ids)
         qk_heads = self.num_heads + self.num_kv_heads
-        linear = self.linear
+        qk_end = self.q_size + self.kv_size
+        linear, tp, dtype = self.linear, self.tp, self.dtype
+        # Activations go into each projection in the dtype its kernel computes in (bfloat16 for int4),
+        # written so by the op before it; outputs stay in that dtype and are widened by the op that reads
+        # them (the residual add, the rotary multiply). LoRA's matmuls need the model's dtype.
+        act = dtype if lora is not None else None
         for i, (layer, w) in enumerate(zip(self.layers, self._linears)):
-            h = rms_norm(x, layer.input_norm, eps)
+            h = rms_norm(x, layer.input_norm, eps, act or linear.act_dtype(w.qkv, n))
             qkv = linear(h, w.qkv, w.qkv_bias)
             if lora is not None:
                 lora.add(i, "qkv", h, qkv)
-            qk = qkv[:, : self.q_size + self.kv_size].view(n, qk_heads, d)
+            qk = qkv[:, :qk_end].view(n, qk_heads, d)
             if cfg.qk_norm:
                 qk = rms_norm_heads(qk, self._qk_norm_weights[i], eps)
             qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, d)
-            o = attn.forward(q, k, v, kv_caches[i], attn_plan)
+            v = qkv[:, qk_end:].view(n, self.num_kv_heads, d)
+            o = attn.forward(q, k, v if v.dtype == dtype else v.to(dtype), kv_caches[i], attn_plan)
+            o_act = act or linear.act_dtype(w.o, n)
+            o = o if o.dtype == o_act else o.to(o_act)
             o_out = linear(o, w.o, None)
             if lora is not None:  # row-parallel: each rank's partial delta joins the all-reduce
                 lora.add(i, "o", o, o_out)
-            x = x + self.tp.all_reduce(o_out)
-            h = rms_norm(x, layer.post_norm, eps)
+            x.add_(tp.all_reduce(o_out))  # x is this step's own tensor (the embedding lookup's output)
+            h = rms_norm(x, layer.post_norm, eps, act or linear.act_dtype(w.gate_up, n))
             gu = linear(h, w.gate_up, None)
             if lora is not None:
                 lora.add(i, "gate_up", h, gu)
-            act = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :]
-            down = linear(act, w.down, None)
+            a = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :]
+            down_act = act or linear.act_dtype(w.down, n)
+            a = a if a.dtype == down_act else a.to(down_act)
+            down = linear(a, w.down, None)
             if lora is not None:
-                lora.add(i, "down", act, down)
-            x = x + self.tp.all_reduce(down)
+                lora.add(i, "down", a, down)
+            x.add_(tp.all_reduce(down))
         x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
         logits = self.tp.all_gather_last_dim(self.head_linear(x, self._head, None).float())
         return logits[:, : cfg.vocab_size]

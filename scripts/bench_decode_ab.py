@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""One B=1 decode step, before against after a change: each git revision's tree is exported to a temp
+folder and timed in its own process (evenflow.bench.decode_latency.in_process_split, median of
+``--steps`` steps), the revisions alternating order over ``--rounds``; the table gives every
+revision's median over rounds and its ratio to the first.
+
+    python scripts/bench_decode_ab.py --model SmolLM2-135M-Instruct.Q4_1.gguf --rev HEAD~1 --rev HEAD
+    python scripts/bench_decode_ab.py --model M.gguf --rev main --rev WORKTREE --threads 2   # uncommitted tree
+
+The load average is printed beside the table: on a shared machine only the ratios within one run count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SNIPPET = ("import sys, logging; logging.disable(logging.WARNING)\n"
+           "from evenflow.bench.decode_latency import in_process_split\n"
+           "s = in_process_split(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))\n"
+           "print('STEP', s.total_s, s.linear_s, s.attention_s, s.sampling_s)\n")
+
+
+def export(rev: str, into: Path) -> Path:
+    """The tree of ``rev`` (``WORKTREE``: this checkout as it is) as a folder to put on PYTHONPATH."""
+    if rev == "WORKTREE":
+        return ROOT
+    out = into / rev.replace("/", "_").replace("~", "-")
+    out.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "evenflow"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return out
+
+
+def time_step(tree: Path, args: argparse.Namespace) -> list[float]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run([sys.executable, "-c", SNIPPET, args.model, args.mode, str(args.context),
+                           str(args.threads), str(args.steps)], env=env, capture_output=True, text=True, check=True)
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("STEP"))
+    return [float(v) for v in line.split()[1:]]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--rev", action="append", required=True, help="git revision, or WORKTREE (repeatable)")
+    p.add_argument("--mode", default="int4", help="float32, bfloat16 or int4")
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=4)
+    args = p.parse_args()
+    times: dict[str, list[list[float]]] = {rev: [] for rev in args.rev}
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {rev: export(rev, Path(tmp)) for rev in args.rev}
+        for r in range(args.rounds):
+            for rev in args.rev if r % 2 == 0 else args.rev[::-1]:
+                times[rev].append(time_step(trees[rev], args))
+                print(f"round {r} {rev}: step {times[rev][-1][0] * 1e3:.2f} ms", flush=True)
+    print(f"\nload average {os.getloadavg()[0]:.2f}; {args.mode}, B=1, context {args.context}, {args.threads} threads, "
+          f"median over {args.rounds} rounds of each round's median of {args.steps} steps")
+    print("| revision | step ms | linears ms | attention ms | sampling ms | rest ms | vs first |")
+    print("|---|--:|--:|--:|--:|--:|--:|")
+    first = None
+    for rev in args.rev:
+        total, lin, att, smp = (statistics.median(col) * 1e3 for col in zip(*times[rev]))
+        first = first or total
+        print(f"| {rev} | {total:.2f} | {lin:.2f} | {att:.2f} | {smp:.2f} | {total - lin - att - smp:.2f} | "
+              f"{total / first:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

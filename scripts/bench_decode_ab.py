@@ -40,8 +40,11 @@ def export(rev: str, into: Path) -> Path:
 
 def time_step(tree: Path, args: argparse.Namespace) -> list[float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    # cwd: the tree itself, since ``python -c`` puts the working directory first on sys.path.
     proc = subprocess.run([sys.executable, "-c", SNIPPET, args.model, args.mode, str(args.context),
-                           str(args.threads), str(args.steps)], env=env, capture_output=True, text=True, check=True)
+                           str(args.threads), str(args.steps)], env=env, cwd=tree, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{tree}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("STEP"))
     return [float(v) for v in line.split()[1:]]
 

@@ -91,6 +91,9 @@ class _Timed:
     def __init__(self, fn) -> None:
         self.fn, self.seconds = fn, 0.0
 
+    def __getattr__(self, name: str):  # the rest of the wrapped kernel's interface (act_dtype, plan)
+        return getattr(self.fn, name)
+
     def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
         out = self.fn(*args, **kwargs)

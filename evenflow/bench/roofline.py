@@ -79,7 +79,9 @@ def decode_step_bytes(runner: ModelRunner, batch: int, context: int) -> tuple[in
     model = runner.model
     weights = sum(_nbytes(getattr(w, name)) for w in model._linears for name in ("qkv", "o", "gate_up", "down"))
     weights += sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name.endswith("norm"))
-    weights += _nbytes(model._head) + batch * model.embed.shape[1] * model.embed.element_size()
+    head = model._screened_head
+    weights += _nbytes(model._head) if head is None else head.step_nbytes(batch)
+    weights += batch * model.embed.shape[1] * model.embed.element_size()
     kv_elem = torch.empty(0, dtype=runner.torch_dtype).element_size()
     kv = 2 * model.cfg.num_layers * batch * context * model.num_kv_heads * model.cfg.head_dim * kv_elem
     return weights, kv

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """One B=1 decode step, before against after a change: each git revision's tree is exported to a temp
-folder and timed in its own process (evenflow.bench.decode_latency.in_process_split, median of
-``--steps`` steps), the revisions alternating order over ``--rounds``; the table gives every
-revision's median over rounds and its ratio to the first.
+folder and timed in its own process (forward + greedy sampling, ``--steps`` steps), the revisions
+alternating order over ``--rounds``; the table gives every revision's min and median step (each the
+median over rounds) and their ratios to the first. On a shared machine the min is the steadier figure.
 
     python scripts/bench_decode_ab.py --model SmolLM2-135M-Instruct.Q4_1.gguf --rev HEAD~1 --rev HEAD
     python scripts/bench_decode_ab.py --model M.gguf --rev main --rev WORKTREE --threads 2   # uncommitted tree
@@ -21,10 +21,35 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SNIPPET = ("import sys, logging; logging.disable(logging.WARNING)\n"
-           "from evenflow.bench.decode_latency import in_process_split\n"
-           "s = in_process_split(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))\n"
-           "print('STEP', s.total_s, s.linear_s, s.attention_s, s.sampling_s)\n")
+# Only interfaces every revision has (WorkerConfig, ModelRunner, synthetic_step), so any two can be compared.
+SNIPPET = """
+import logging, sys, time, torch
+logging.disable(logging.WARNING)
+from evenflow.protocol import WorkerConfig
+from evenflow.worker.runner import ModelRunner
+from evenflow.worker.sampling_metadata import SamplingMetadata
+from evenflow.worker.synthetic_steps import synthetic_step
+model, mode, context, threads, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+torch.set_num_threads(threads)
+gguf = model.endswith(".gguf")
+runner = ModelRunner(WorkerConfig(model=model, dtype="bfloat16" if mode == "bfloat16" else "float32", device="cpu",
+                                  block_size=16, max_model_len=context + 16, num_kv_blocks=context // 16 + 2,
+                                  num_threads=threads, quantization=("gguf" if mode == "int4" else "none") if gguf else None))
+torch.set_num_threads(threads)
+step = synthetic_step([1], [context], runner.block_size, runner.device)
+caches = runner._scratch_caches(step.num_blocks)
+meta = SamplingMetadata(num_reqs=1, vocab_size=runner.vocab_size)
+times = []
+with torch.inference_mode():
+    for i in range(steps + 3):
+        t0 = time.perf_counter()
+        logits = runner.model(step.input_ids, step.positions, caches, runner.attn, runner.attn.plan(step.attn),
+                              step.logits_indices)
+        runner.sampler(logits, meta).sampled_token_ids.tolist()
+        times.append(time.perf_counter() - t0)
+times = sorted(times[3:])
+print("STEP", times[0], times[len(times) // 2])
+"""
 
 
 def export(rev: str, into: Path) -> Path:
@@ -65,18 +90,17 @@ def main() -> None:
         for r in range(args.rounds):
             for rev in args.rev if r % 2 == 0 else args.rev[::-1]:
                 times[rev].append(time_step(trees[rev], args))
-                print(f"round {r} {rev}: step {times[rev][-1][0] * 1e3:.2f} ms", flush=True)
+                print(f"round {r} {rev}: step min {times[rev][-1][0] * 1e3:.2f} / median {times[rev][-1][1] * 1e3:.2f} ms",
+                      flush=True)
     print(f"\nload average {os.getloadavg()[0]:.2f}; {args.mode}, B=1, context {args.context}, {args.threads} threads, "
-          f"median over {args.rounds} rounds of each round's median of {args.steps} steps")
-    print("| revision | step ms | linears ms | attention ms | sampling ms | rest ms | vs first |")
-    print("|---|--:|--:|--:|--:|--:|--:|")
-    first = None
+          f"median over {args.rounds} rounds of each round's min / median of {args.steps} steps")
+    print("| revision | min step ms | median step ms | min vs first | median vs first |")
+    print("|---|--:|--:|--:|--:|")
+    first: tuple[float, float] | None = None
     for rev in args.rev:
-        total, lin, att, smp = (statistics.median(col) * 1e3 for col in zip(*times[rev]))
-        first = first or total
-        print(f"| {rev} | {total:.2f} | {lin:.2f} | {att:.2f} | {smp:.2f} | {total - lin - att - smp:.2f} | "
-              f"{total / first:.3f} |")
-
+        best, med = (statistics.median(col) * 1e3 for col in zip(*times[rev]))
+        first = first or (best, med)
+        print(f"| {rev} | {best:.2f} | {med:.2f} | {best / first[0]:.3f} | {med / first[1]:.3f} |")
 
 if __name__ == "__main__":
     main()

@@ -34,7 +34,8 @@ torch.set_num_threads(threads)
 gguf = model.endswith(".gguf")
 runner = ModelRunner(WorkerConfig(model=model, dtype="bfloat16" if mode == "bfloat16" else "float32", device="cpu",
                                   block_size=16, max_model_len=context + 16, num_kv_blocks=context // 16 + 2,
-                                  num_threads=threads, quantization=("gguf" if mode == "int4" else "none") if gguf else None))
+                                  num_threads=threads,
+                                  quantization=("gguf" if mode == "int4" else "none") if gguf else None))
 torch.set_num_threads(threads)
 step = synthetic_step([1], [context], runner.block_size, runner.device)
 caches = runner._scratch_caches(step.num_blocks)
@@ -90,8 +91,8 @@ def main() -> None:
         for r in range(args.rounds):
             for rev in args.rev if r % 2 == 0 else args.rev[::-1]:
                 times[rev].append(time_step(trees[rev], args))
-                print(f"round {r} {rev}: step min {times[rev][-1][0] * 1e3:.2f} / median {times[rev][-1][1] * 1e3:.2f} ms",
-                      flush=True)
+                best, med = times[rev][-1]
+                print(f"round {r} {rev}: step min {best * 1e3:.2f} / median {med * 1e3:.2f} ms", flush=True)
     print(f"\nload average {os.getloadavg()[0]:.2f}; {args.mode}, B=1, context {args.context}, {args.threads} threads, "
           f"median over {args.rounds} rounds of each round's min / median of {args.steps} steps")
     print("| revision | min step ms | median step ms | min vs first | median vs first |")

@@ -26,13 +26,14 @@ class StepSplit:
     """Seconds of one decode step (median over the timed steps), by part."""
 
     total_s: float
-    linear_s: float
+    linear_s: float  # the projections (the model's linear kernel), not the LM head
     attention_s: float
     sampling_s: float
+    head_s: float = 0.0  # the LM head
 
     @property
     def rest_s(self) -> float:
-        return max(self.total_s - self.linear_s - self.attention_s - self.sampling_s, 0.0)
+        return max(self.total_s - self.linear_s - self.attention_s - self.sampling_s - self.head_s, 0.0)
 
 
 @dataclass(frozen=True)
@@ -119,21 +120,24 @@ def profile_decode(runner: ModelRunner, batch: int, context: int, steps: int = 2
     caches = runner._scratch_caches(step.num_blocks)
     model = runner.model
     meta = SamplingMetadata(num_reqs=batch, vocab_size=runner.vocab_size)
-    kernel = model.linear
+    kernel, head_kernel, screened = model.linear, model.head_linear, model._screened_head
     records: list[StepSplit] = []
     try:
         with torch.inference_mode():
             for i in range(steps + 2):
                 linear, attn, sampler = _Timed(kernel), _TimedAttention(runner.attn), _Timed(runner.sampler)
+                head = _Timed(head_kernel if screened is None else screened)
                 model.linear = linear
+                model.head_linear, model._screened_head = (head, None) if screened is None else (head_kernel, head)
                 t0 = time.perf_counter()
                 logits = model(step.input_ids, step.positions, caches, attn, attn.plan(step.attn), step.logits_indices)
                 sampler(logits, meta).sampled_token_ids.tolist()
                 total = time.perf_counter() - t0
                 if i >= 2:
-                    records.append(StepSplit(total, linear.seconds, attn.forward.seconds, sampler.seconds))
+                    records.append(StepSplit(total, linear.seconds, attn.forward.seconds, sampler.seconds,
+                                             head.seconds))
     finally:
-        model.linear = kernel
+        model.linear, model.head_linear, model._screened_head = kernel, head_kernel, screened
     records.sort(key=lambda r: r.total_s)
     return records[len(records) // 2]
 
@@ -155,12 +159,13 @@ def roofline_row(model: str, mode: str, batch: int, context: int, bandwidth: flo
 
 def format_table(rows: list[RooflineRow]) -> str:
     head = ("| model | mode | B | context | weights MB | KV MB | roofline ms | step ms | ratio | linears ms | "
-            "attention ms | sampling ms | rest ms |\n|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+            "attention ms | sampling ms | rest ms | LM head ms |\n"
+            "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     lines = [head]
     for r in rows:
         s = r.split
         lines.append(f"| {r.model} | {r.mode} | {r.batch} | {r.context} | {r.weight_bytes / 1e6:.1f} | "
                      f"{r.kv_bytes / 1e6:.2f} | {r.roofline_s * 1e3:.2f} | {s.total_s * 1e3:.2f} | {r.ratio:.2f} | "
                      f"{s.linear_s * 1e3:.2f} | {s.attention_s * 1e3:.2f} | {s.sampling_s * 1e3:.2f} | "
-                     f"{s.rest_s * 1e3:.2f} |")
+                     f"{s.rest_s * 1e3:.2f} | {s.head_s * 1e3:.2f} |")
     return "\n".join(lines)

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """One B=1 decode step, before against after a change: each git revision's tree is exported to a temp
 folder and timed in its own process (forward + greedy sampling, ``--steps`` steps), the revisions
-alternating order over ``--rounds``; the table gives every revision's min and median step (each the
-median over rounds) and their ratios to the first. On a shared machine the min is the steadier figure.
+alternating order over ``--rounds``; the table gives every revision's min and median wall time of a
+step and its median CPU time (the process's, each the median over rounds), with their ratios to the
+first. On a shared machine the CPU time is the steady figure: it leaves out the time the process
+waited for a core (at one thread it is the step's own cost; at more it sums the threads).
 
     python scripts/bench_decode_ab.py --model SmolLM2-135M-Instruct.Q4_1.gguf --rev HEAD~1 --rev HEAD
     python scripts/bench_decode_ab.py --model M.gguf --rev main --rev WORKTREE --threads 2   # uncommitted tree
@@ -40,16 +42,17 @@ torch.set_num_threads(threads)
 step = synthetic_step([1], [context], runner.block_size, runner.device)
 caches = runner._scratch_caches(step.num_blocks)
 meta = SamplingMetadata(num_reqs=1, vocab_size=runner.vocab_size)
-times = []
+wall, cpu = [], []
 with torch.inference_mode():
     for i in range(steps + 3):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         logits = runner.model(step.input_ids, step.positions, caches, runner.attn, runner.attn.plan(step.attn),
                               step.logits_indices)
         runner.sampler(logits, meta).sampled_token_ids.tolist()
-        times.append(time.perf_counter() - t0)
-times = sorted(times[3:])
-print("STEP", times[0], times[len(times) // 2])
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+wall, cpu = sorted(wall[3:]), sorted(cpu[3:])
+print("STEP", wall[0], wall[len(wall) // 2], cpu[len(cpu) // 2])
 """
 
 
@@ -91,17 +94,20 @@ def main() -> None:
         for r in range(args.rounds):
             for rev in args.rev if r % 2 == 0 else args.rev[::-1]:
                 times[rev].append(time_step(trees[rev], args))
-                best, med = times[rev][-1]
-                print(f"round {r} {rev}: step min {best * 1e3:.2f} / median {med * 1e3:.2f} ms", flush=True)
+                best, med, cpu = times[rev][-1]
+                print(f"round {r} {rev}: step min {best * 1e3:.2f} / median {med * 1e3:.2f} ms wall, "
+                      f"median {cpu * 1e3:.2f} ms CPU", flush=True)
     print(f"\nload average {os.getloadavg()[0]:.2f}; {args.mode}, B=1, context {args.context}, {args.threads} threads, "
-          f"median over {args.rounds} rounds of each round's min / median of {args.steps} steps")
-    print("| revision | min step ms | median step ms | min vs first | median vs first |")
-    print("|---|--:|--:|--:|--:|")
-    first: tuple[float, float] | None = None
+          f"median over {args.rounds} rounds of each round's figure over {args.steps} steps")
+    print("| revision | min wall ms | median wall ms | median CPU ms | min wall vs first | CPU vs first |")
+    print("|---|--:|--:|--:|--:|--:|")
+    first: list[float] | None = None
     for rev in args.rev:
-        best, med = (statistics.median(col) * 1e3 for col in zip(*times[rev]))
-        first = first or (best, med)
-        print(f"| {rev} | {best:.2f} | {med:.2f} | {best / first[0]:.3f} | {med / first[1]:.3f} |")
+        cols = [statistics.median(col) * 1e3 for col in zip(*times[rev])]
+        first = first or cols
+        print(f"| {rev} | {cols[0]:.2f} | {cols[1]:.2f} | {cols[2]:.2f} | {cols[0] / first[0]:.3f} | "
+              f"{cols[2] / first[2]:.3f} |")
+
 
 if __name__ == "__main__":
     main()

@@ -91,29 +91,30 @@ def decode_step_bytes(runner: ModelRunner, batch: int, context: int) -> tuple[in
 class _Timed:
     """Wraps a callable; sums the seconds of its calls."""
 
-    def __init__(self, fn) -> None:
-        self.fn, self.seconds = fn, 0.0
+    def __init__(self, fn, clock=time.perf_counter) -> None:
+        self.fn, self.seconds, self.clock = fn, 0.0, clock
 
     def __getattr__(self, name: str):  # the rest of the wrapped kernel's interface (act_dtype, plan)
         return getattr(self.fn, name)
 
     def __call__(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = self.clock()
         out = self.fn(*args, **kwargs)
-        self.seconds += time.perf_counter() - t0
+        self.seconds += self.clock() - t0
         return out
 
 
 class _TimedAttention:
-    def __init__(self, backend) -> None:
+    def __init__(self, backend, clock) -> None:
         self.backend = backend
-        self.forward = _Timed(backend.forward)
+        self.forward = _Timed(backend.forward, clock)
 
     def plan(self, inputs):
         return self.backend.plan(inputs)
 
 
-def profile_decode(runner: ModelRunner, batch: int, context: int, steps: int = 20) -> StepSplit:
+def profile_decode(runner: ModelRunner, batch: int, context: int, steps: int = 20,
+                   clock=time.perf_counter) -> StepSplit:
     """Median split of ``steps`` synthetic decode steps (``batch`` sequences at ``context`` tokens,
     greedy sampling), after two warm-up steps."""
     step = synthetic_step([1] * batch, [context] * batch, runner.block_size, runner.device)
@@ -125,14 +126,15 @@ def profile_decode(runner: ModelRunner, batch: int, context: int, steps: int = 2
     try:
         with torch.inference_mode():
             for i in range(steps + 2):
-                linear, attn, sampler = _Timed(kernel), _TimedAttention(runner.attn), _Timed(runner.sampler)
-                head = _Timed(head_kernel if screened is None else screened)
+                linear, attn, sampler = _Timed(kernel, clock), _TimedAttention(runner.attn, clock), _Timed(
+                    runner.sampler, clock)
+                head = _Timed(head_kernel if screened is None else screened, clock)
                 model.linear = linear
                 model.head_linear, model._screened_head = (head, None) if screened is None else (head_kernel, head)
-                t0 = time.perf_counter()
+                t0 = clock()
                 logits = model(step.input_ids, step.positions, caches, attn, attn.plan(step.attn), step.logits_indices)
                 sampler(logits, meta).sampled_token_ids.tolist()
-                total = time.perf_counter() - t0
+                total = clock() - t0
                 if i >= 2:
                     records.append(StepSplit(total, linear.seconds, attn.forward.seconds, sampler.seconds,
                                              head.seconds))
@@ -143,7 +145,7 @@ def profile_decode(runner: ModelRunner, batch: int, context: int, steps: int = 2
 
 
 def roofline_row(model: str, mode: str, batch: int, context: int, bandwidth: float, threads: int,
-                 steps: int = 20) -> RooflineRow:
+                 steps: int = 20, clock=time.perf_counter) -> RooflineRow:
     """Load ``model`` in ``mode`` (float32 / bfloat16 / int4) and measure one row of the table."""
     dtype = "bfloat16" if mode == "bfloat16" else "float32"
     quantization = "gguf" if mode == "int4" else ("none" if model.endswith(".gguf") else None)
@@ -153,7 +155,7 @@ def roofline_row(model: str, mode: str, batch: int, context: int, bandwidth: flo
                                       quantization=quantization))
     torch.set_num_threads(threads)
     weights, kv = decode_step_bytes(runner, batch, context)
-    split = profile_decode(runner, batch, context, steps)
+    split = profile_decode(runner, batch, context, steps, clock)
     return RooflineRow(model.rsplit("/", 1)[-1], mode, batch, context, weights, kv, bandwidth, split)
 
 

@@ -42,8 +42,10 @@ def main() -> None:
         print()
     if not args.model:
         return
-    bandwidth = read_bandwidth()
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads, best of 7 sums of 256 MiB)")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    bandwidth = read_bandwidth(clock=clock)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads, best of 7 sums of 256 MiB, "
+          f"{args.clock} clock)")
     rows = []
     for model in args.model:
         for mode in args.modes.split(","):
@@ -51,7 +53,7 @@ def main() -> None:
                 continue
             for batch in (int(b) for b in args.batch.split(",")):
                 rows.append(roofline_row(model, mode, batch, args.context, bandwidth, args.threads, args.steps,
-                                         time.process_time if args.clock == "cpu" else time.perf_counter))
+                                         clock))
                 print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(format_table(rows))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 import torch
 
@@ -29,6 +30,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128, help="tokens of context per sequence")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per row (median reported)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: the process's CPU time, which leaves out waits for a core on a shared machine "
+                        "(one thread: the step's own cost; more threads: their sum)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -38,15 +42,18 @@ def main() -> None:
         print()
     if not args.model:
         return
-    bandwidth = read_bandwidth()
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads, best of 7 sums of 256 MiB)")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    bandwidth = read_bandwidth(clock=clock)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads, best of 7 sums of 256 MiB, "
+          f"{args.clock} clock)")
     rows = []
     for model in args.model:
         for mode in args.modes.split(","):
             if mode == "int4" and not model.endswith(".gguf"):
                 continue
             for batch in (int(b) for b in args.batch.split(",")):
-                rows.append(roofline_row(model, mode, batch, args.context, bandwidth, args.threads, args.steps))
+                rows.append(roofline_row(model, mode, batch, args.context, bandwidth, args.threads, args.steps,
+                                         clock))
                 print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(format_table(rows))

@@ -3,6 +3,7 @@
 (evenflow/bench/decode_latency.py). Modes alternate order over rounds; the median round is kept.
 
     python scripts/profile_decode_step.py --model /path/SmolLM2-135M-Instruct.Q4_1.gguf --modes float32,bfloat16,int4
+    python scripts/profile_decode_step.py --model M.gguf --modes int4 --ops 1,2   # by op class, 1 and 2 threads
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import argparse
 import logging
 import statistics
 
-from evenflow.bench.decode_latency import LatencyRow, end_to_end_per_token, format_table, in_process_split
+from evenflow.bench.decode_latency import LatencyRow, end_to_end_per_token, format_table, in_process_split, runner_for
+from evenflow.bench.op_profile import OpSplit, format_op_table, op_split
 from evenflow.bench.roofline import StepSplit
 
 
@@ -24,9 +26,19 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--ops", default="", help="comma-separated thread counts: only the in-process split by op class")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     modes = args.modes.split(",")
+    if args.ops:
+        ops: dict[str, OpSplit] = {}
+        for mode in modes:
+            for threads in (int(t) for t in args.ops.split(",")):
+                ops[f"{mode}, {threads} thr"] = op_split(runner_for(args.model, mode, args.context, threads), 1,
+                                                         args.context, args.steps)
+        print(f"ms a step (top-level aten calls a step), B=1, context {args.context}, mean of {args.steps} steps")
+        print(format_op_table(ops))
+        return
     splits: dict[str, list[StepSplit]] = {m: [] for m in modes}
     e2e: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(args.rounds):

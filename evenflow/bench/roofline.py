@@ -26,13 +26,14 @@ class StepSplit:
     """Seconds of one decode step (median over the timed steps), by part."""
 
     total_s: float
-    linear_s: float
+    linear_s: float  # the projections (the model's linear kernel), not the LM head
     attention_s: float
     sampling_s: float
+    head_s: float = 0.0  # the LM head
 
     @property
     def rest_s(self) -> float:
-        return max(self.total_s - self.linear_s - self.attention_s - self.sampling_s, 0.0)
+        return max(self.total_s - self.linear_s - self.attention_s - self.sampling_s - self.head_s, 0.0)
 
 
 @dataclass(frozen=True)
@@ -56,15 +57,15 @@ class RooflineRow:
         return self.split.total_s / self.roofline_s
 
 
-def read_bandwidth(nbytes: int = 256 << 20, trials: int = 7) -> float:
+def read_bandwidth(nbytes: int = 256 << 20, trials: int = 7, clock=time.perf_counter) -> float:
     """Bytes/s of a full read of a buffer far larger than the caches (a float32 sum), best of ``trials``."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
     buf.sum()
     best = float("inf")
     for _ in range(trials):
-        t0 = time.perf_counter()
+        t0 = clock()
         buf.sum()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return nbytes / best
 
 
@@ -79,7 +80,9 @@ def decode_step_bytes(runner: ModelRunner, batch: int, context: int) -> tuple[in
     model = runner.model
     weights = sum(_nbytes(getattr(w, name)) for w in model._linears for name in ("qkv", "o", "gate_up", "down"))
     weights += sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name.endswith("norm"))
-    weights += _nbytes(model._head) + batch * model.embed.shape[1] * model.embed.element_size()
+    head = model._screened_head
+    weights += _nbytes(model._head) if head is None else head.step_nbytes(batch)
+    weights += batch * model.embed.shape[1] * model.embed.element_size()
     kv_elem = torch.empty(0, dtype=runner.torch_dtype).element_size()
     kv = 2 * model.cfg.num_layers * batch * context * model.num_kv_heads * model.cfg.head_dim * kv_elem
     return weights, kv
@@ -88,53 +91,61 @@ def decode_step_bytes(runner: ModelRunner, batch: int, context: int) -> tuple[in
 class _Timed:
     """Wraps a callable; sums the seconds of its calls."""
 
-    def __init__(self, fn) -> None:
-        self.fn, self.seconds = fn, 0.0
+    def __init__(self, fn, clock=time.perf_counter) -> None:
+        self.fn, self.seconds, self.clock = fn, 0.0, clock
+
+    def __getattr__(self, name: str):  # the rest of the wrapped kernel's interface (act_dtype, plan)
+        return getattr(self.fn, name)
 
     def __call__(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = self.clock()
         out = self.fn(*args, **kwargs)
-        self.seconds += time.perf_counter() - t0
+        self.seconds += self.clock() - t0
         return out
 
 
 class _TimedAttention:
-    def __init__(self, backend) -> None:
+    def __init__(self, backend, clock) -> None:
         self.backend = backend
-        self.forward = _Timed(backend.forward)
+        self.forward = _Timed(backend.forward, clock)
 
     def plan(self, inputs):
         return self.backend.plan(inputs)
 
 
-def profile_decode(runner: ModelRunner, batch: int, context: int, steps: int = 20) -> StepSplit:
+def profile_decode(runner: ModelRunner, batch: int, context: int, steps: int = 20,
+                   clock=time.perf_counter) -> StepSplit:
     """Median split of ``steps`` synthetic decode steps (``batch`` sequences at ``context`` tokens,
     greedy sampling), after two warm-up steps."""
     step = synthetic_step([1] * batch, [context] * batch, runner.block_size, runner.device)
     caches = runner._scratch_caches(step.num_blocks)
     model = runner.model
     meta = SamplingMetadata(num_reqs=batch, vocab_size=runner.vocab_size)
-    kernel = model.linear
+    kernel, head_kernel, screened = model.linear, model.head_linear, model._screened_head
     records: list[StepSplit] = []
     try:
         with torch.inference_mode():
             for i in range(steps + 2):
-                linear, attn, sampler = _Timed(kernel), _TimedAttention(runner.attn), _Timed(runner.sampler)
+                linear, attn, sampler = _Timed(kernel, clock), _TimedAttention(runner.attn, clock), _Timed(
+                    runner.sampler, clock)
+                head = _Timed(head_kernel if screened is None else screened, clock)
                 model.linear = linear
-                t0 = time.perf_counter()
+                model.head_linear, model._screened_head = (head, None) if screened is None else (head_kernel, head)
+                t0 = clock()
                 logits = model(step.input_ids, step.positions, caches, attn, attn.plan(step.attn), step.logits_indices)
                 sampler(logits, meta).sampled_token_ids.tolist()
-                total = time.perf_counter() - t0
+                total = clock() - t0
                 if i >= 2:
-                    records.append(StepSplit(total, linear.seconds, attn.forward.seconds, sampler.seconds))
+                    records.append(StepSplit(total, linear.seconds, attn.forward.seconds, sampler.seconds,
+                                             head.seconds))
     finally:
-        model.linear = kernel
+        model.linear, model.head_linear, model._screened_head = kernel, head_kernel, screened
     records.sort(key=lambda r: r.total_s)
     return records[len(records) // 2]
 
 
 def roofline_row(model: str, mode: str, batch: int, context: int, bandwidth: float, threads: int,
-                 steps: int = 20) -> RooflineRow:
+                 steps: int = 20, clock=time.perf_counter) -> RooflineRow:
     """Load ``model`` in ``mode`` (float32 / bfloat16 / int4) and measure one row of the table."""
     dtype = "bfloat16" if mode == "bfloat16" else "float32"
     quantization = "gguf" if mode == "int4" else ("none" if model.endswith(".gguf") else None)
@@ -144,18 +155,19 @@ def roofline_row(model: str, mode: str, batch: int, context: int, bandwidth: flo
                                       quantization=quantization))
     torch.set_num_threads(threads)
     weights, kv = decode_step_bytes(runner, batch, context)
-    split = profile_decode(runner, batch, context, steps)
+    split = profile_decode(runner, batch, context, steps, clock)
     return RooflineRow(model.rsplit("/", 1)[-1], mode, batch, context, weights, kv, bandwidth, split)
 
 
 def format_table(rows: list[RooflineRow]) -> str:
     head = ("| model | mode | B | context | weights MB | KV MB | roofline ms | step ms | ratio | linears ms | "
-            "attention ms | sampling ms | rest ms |\n|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+            "attention ms | sampling ms | rest ms | LM head ms |\n"
+            "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     lines = [head]
     for r in rows:
         s = r.split
         lines.append(f"| {r.model} | {r.mode} | {r.batch} | {r.context} | {r.weight_bytes / 1e6:.1f} | "
                      f"{r.kv_bytes / 1e6:.2f} | {r.roofline_s * 1e3:.2f} | {s.total_s * 1e3:.2f} | {r.ratio:.2f} | "
                      f"{s.linear_s * 1e3:.2f} | {s.attention_s * 1e3:.2f} | {s.sampling_s * 1e3:.2f} | "
-                     f"{s.rest_s * 1e3:.2f} |")
+                     f"{s.rest_s * 1e3:.2f} | {s.head_s * 1e3:.2f} |")
     return "\n".join(lines)

@@ -24,3 +24,19 @@ def test_bench_roofline_tiny_q4_gguf(checkpoint_root: Path, tmp_path: Path) -> N
     assert set(rows) == {"float32", "int4"}
     assert all(float(c) >= 0 for r in rows.values() for c in r[2:])
     assert float(rows["int4"][4]) < float(rows["float32"][4])  # weight MB a step reads
+
+
+def test_op_profile_and_revision_ab_on_a_tiny_q4_gguf(checkpoint_root: Path, tmp_path: Path) -> None:
+    model = write_gguf(make_checkpoint(checkpoint_root, seed=6), tmp_path / "tiny-q4_1.gguf",
+                       gguf.GGMLQuantizationType.Q4_1)
+    proc = run_script("profile_decode_step.py", ["--model", str(model), "--modes", "int4", "--ops", "1",
+                                                 "--context", "16", "--steps", "2"], timeout_s=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    assert "(2)" in rows["attention"] and "(1)" in rows["LM head"]  # the tiny model's 2 layers, one head
+    assert "Python and dispatch" in rows and "**step (profiled)**" in rows
+    proc = run_script("bench_decode_ab.py", ["--model", str(model), "--rev", "HEAD", "--rev", "WORKTREE",
+                                             "--context", "16", "--steps", "2", "--rounds", "1"], timeout_s=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| HEAD") or line.startswith("| WORKTREE")]
+    assert len(table) == 2 and table[0].rstrip(" |").endswith("1.000")

@@ -127,8 +127,9 @@ class TorchPagedAttention(AttentionBackend):
         num_tokens = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
-        out = torch.empty(num_tokens, self.num_heads * d, dtype=q.dtype, device=q.device)
         k_cache, v_cache = kv_cache
+        whole = len(plan.decode_groups) == 1 and not plan.chunks
+        out = None if whole else torch.empty(num_tokens, self.num_heads * d, dtype=q.dtype, device=q.device)
         for g in plan.decode_groups:
             b = g.end - g.start
             length = g.blocks_per_req * k_cache.shape[1]
@@ -136,6 +137,8 @@ class TorchPagedAttention(AttentionBackend):
             vc = v_cache.index_select(0, g.block_ids).view(b, length, hkv, d).transpose(1, 2)
             qd = q[g.start : g.end].view(b, hkv, group, d)
             o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=g.mask, scale=self.scale)
+            if whole:  # the step is this one group of decodes: its output is the step's, no copy
+                return o.reshape(b, self.num_heads * d)
             out[g.start : g.end] = o.reshape(b, self.num_heads * d)
         for c in plan.chunks:
             # 4-D [1, H, n, D]: PyTorch's fused CPU kernel takes only batched inputs; 3-D inputs with a

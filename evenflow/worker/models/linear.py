@@ -1,7 +1,9 @@
 """Linear-layer kernels: how a weight is stored for the forward pass and multiplied.
 
 The model calls ``kernel.prepare(weight)`` once per weight after loading and
-``kernel(x, prepared, bias)`` in the forward pass. ``pick_linear`` chooses:
+``kernel(x, prepared, bias)`` in the forward pass, with ``x`` in ``kernel.act_dtype(prepared, rows)``
+(the dtype the kernel computes in, so that the layer before writes it directly and no cast sits between
+them). ``pick_linear`` chooses:
 
 * ``TorchLinear``: ``F.linear`` on the weight as loaded (GPUs, and the fallback everywhere).
 * ``PackedCpuLinear`` (float32 on CPU, and bfloat16 where the CPU has native bf16): the weight
@@ -41,6 +43,10 @@ class TorchLinear:
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
 
+    @staticmethod
+    def act_dtype(weight: torch.Tensor, rows: int) -> torch.dtype:
+        return weight.dtype
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
@@ -65,6 +71,10 @@ class PackedCpuLinear:
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+    @staticmethod
+    def act_dtype(weight: torch.Tensor, rows: int) -> torch.dtype:
+        return weight.dtype
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # oneDNN keeps a primitive per row count: bounded by row_tiles (its docstring has the measurements).

@@ -18,6 +18,7 @@ from evenflow.worker.config_reader import ModelConfig
 from evenflow.worker.lora.pool import LoRAStep
 from evenflow.worker.models.int4_linear import Int4CpuLinear, int4_fits, int4_plan
 from evenflow.worker.models.layers import RotaryTable, apply_rotary, rms_norm, rms_norm_heads
+from evenflow.worker.models.lm_head import ScreenedHead
 from evenflow.worker.models.linear import (
     UpcastCpuLinear, cpu_has_fast_path, emulated_slowdown, pick_linear,
 )
@@ -108,10 +109,12 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryTable(cfg.head_dim, max(max_model_len, 1), cfg.rope_theta, cfg.rope_scaling, dtype,
                                   device)
         self.linear = pick_linear(dtype, device)
-        # The LM head's kernel: the dense one even beside int4 projections. A bfloat16 head would halve its
-        # bytes but round logits to 0.125 at 25 and tie real top-2 choices (SmolLM2 answered "L'Etoile"
-        # to "What is the capital of France?" where float32 says "The capital of France is Paris.").
+        # The LM head's kernel: the dense one, or beside int4 projections on a CPU with native bf16 a
+        # bfloat16 screen whose leading logits are recomputed in float32 (models/lm_head.py). A plain
+        # bfloat16 head rounds logits to 0.125 at 25 and ties real top-2 choices (SmolLM2 answered
+        # "L'Etoile" to "What is the capital of France?" where float32 says "The capital of France is Paris.").
         self.head_linear = self.linear
+        self._screened_head: ScreenedHead | None = None
         if isinstance(self.linear, UpcastCpuLinear):
             slow = emulated_slowdown(dtype, (2 * self.intermediate, cfg.hidden_size))
             log.warning("--dtype %s on a CPU without native %s (no avx512_bf16/amx_bf16): a projection takes "
@@ -220,7 +223,13 @@ class LlamaModel(nn.Module):
 
         self._linears = [layer_linears(i, layer) for i, layer in enumerate(self.layers)]
         head = self.embed if self.lm_head is None else self.lm_head
-        self._head = self.head_linear.prepare(head) if self.lm_head is None else take(head, "lm_head")
+        if (isinstance(self.linear, Int4CpuLinear) and self.dtype == torch.float32
+                and cpu_has_fast_path(torch.bfloat16) and ScreenedHead.works()):
+            self._screened_head = ScreenedHead(head.detach())  # reads the float32 table as loaded
+            self._head = None
+            log.info("LM head: bfloat16 screen, the top logits of each row recomputed in float32")
+        else:
+            self._head = self.head_linear.prepare(head) if self.lm_head is None else take(head, "lm_head")
         if self._int4_parts:
             raise ValueError(f"4-bit rows for parameters without a slot: {sorted(self._int4_parts)}")
 
@@ -279,32 +288,43 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary.lookup(positions)
         x = self.embed_tokens(input_ids)
         qk_heads = self.num_heads + self.num_kv_heads
-        linear = self.linear
+        qk_end = self.q_size + self.kv_size
+        linear, tp, dtype = self.linear, self.tp, self.dtype
+        # Activations go into each projection in the dtype its kernel computes in (bfloat16 for int4),
+        # written so by the op before it; outputs stay in that dtype and are widened by the op that reads
+        # them (the residual add, the rotary multiply). LoRA's matmuls need the model's dtype.
+        act = dtype if lora is not None else None
         for i, (layer, w) in enumerate(zip(self.layers, self._linears)):
-            h = rms_norm(x, layer.input_norm, eps)
+            h = rms_norm(x, layer.input_norm, eps, act or linear.act_dtype(w.qkv, n))
             qkv = linear(h, w.qkv, w.qkv_bias)
             if lora is not None:
                 lora.add(i, "qkv", h, qkv)
-            qk = qkv[:, : self.q_size + self.kv_size].view(n, qk_heads, d)
+            qk = qkv[:, :qk_end].view(n, qk_heads, d)
             if cfg.qk_norm:
                 qk = rms_norm_heads(qk, self._qk_norm_weights[i], eps)
             qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, d)
-            o = attn.forward(q, k, v, kv_caches[i], attn_plan)
+            v = qkv[:, qk_end:].view(n, self.num_kv_heads, d)
+            o = attn.forward(q, k, v if v.dtype == dtype else v.to(dtype), kv_caches[i], attn_plan)
+            o_act = act or linear.act_dtype(w.o, n)
+            o = o if o.dtype == o_act else o.to(o_act)
             o_out = linear(o, w.o, None)
             if lora is not None:  # row-parallel: each rank's partial delta joins the all-reduce
                 lora.add(i, "o", o, o_out)
-            x = x + self.tp.all_reduce(o_out)
-            h = rms_norm(x, layer.post_norm, eps)
+            x.add_(tp.all_reduce(o_out))  # x is this step's own tensor (the embedding lookup's output)
+            h = rms_norm(x, layer.post_norm, eps, act or linear.act_dtype(w.gate_up, n))
             gu = linear(h, w.gate_up, None)
             if lora is not None:
                 lora.add(i, "gate_up", h, gu)
-            act = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :]
-            down = linear(act, w.down, None)
+            a = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :]
+            down_act = act or linear.act_dtype(w.down, n)
+            a = a if a.dtype == down_act else a.to(down_act)
+            down = linear(a, w.down, None)
             if lora is not None:
-                lora.add(i, "down", act, down)
-            x = x + self.tp.all_reduce(down)
+                lora.add(i, "down", a, down)
+            x.add_(tp.all_reduce(down))
         x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
+        if self._screened_head is not None:  # never with tensor parallelism (int4 projections are off there)
+            return self._screened_head(x)[:, : cfg.vocab_size]
         logits = self.tp.all_gather_last_dim(self.head_linear(x, self._head, None).float())
         return logits[:, : cfg.vocab_size]

@@ -1,0 +1,48 @@
+"""The screened LM head (models/lm_head.py) against the float32 head it stands in for: the leading
+logits of every row are float32's, the rest within bfloat16's rounding, and a real int4 model serves
+through it only where the CPU has native bfloat16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from evenflow.worker.models.linear import cpu_has_fast_path
+from evenflow.worker.models.lm_head import SCREEN_TOP, ScreenedHead
+from tests.checkpoints import make_checkpoint
+from tests.gguf_files import write_gguf
+from tests.worker.harness import make_runner
+
+needs_bf16 = pytest.mark.skipif(not (cpu_has_fast_path(torch.bfloat16) and ScreenedHead.works()),
+                                reason="no native bfloat16 on this CPU: the head stays float32")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 5, 130])  # 130: more rows than one gather takes
+def test_leading_logits_are_float32_and_the_rest_within_bf16_rounding(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    table = torch.randn(3000, 96, generator=g) * 0.2
+    x = torch.randn(rows, 96, generator=g)
+    reference = x.double() @ table.double().t()
+    got = ScreenedHead(table)(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 3000)
+    assert torch.equal(got.argmax(1), reference.argmax(1))
+    # A row's float32-recomputed logits: its SCREEN_TOP largest by the screen, the reference's top
+    # SCREEN_TOP / 2 among them wherever the screen's error is small against their spread (it is here).
+    lead = reference.topk(SCREEN_TOP // 2, dim=1).indices
+    torch.testing.assert_close(got.gather(1, lead).double(), reference.gather(1, lead), rtol=1e-5, atol=1e-5)
+    bf16_step = 2.0 ** -8 * float(reference.abs().max())
+    assert float((got.double() - reference).abs().max()) <= 2 * bf16_step
+
+
+@needs_bf16
+def test_int4_model_serves_the_screened_head_and_float32_keeps_the_dense_one(checkpoint_root: Path,
+                                                                              tmp_path: Path) -> None:
+    model = write_gguf(make_checkpoint(checkpoint_root, seed=3), tmp_path / "q4_1.gguf",
+                       gguf.GGMLQuantizationType.Q4_1)
+    int4 = make_runner(model, num_blocks=16, block_size=16, max_model_len=64, quantization="gguf").model
+    dense = make_runner(model, num_blocks=16, block_size=16, max_model_len=64, quantization="none").model
+    assert isinstance(int4._screened_head, ScreenedHead) and int4._head is None
+    assert dense._screened_head is None and dense._head is not None

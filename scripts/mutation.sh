@@ -29,7 +29,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one core per mutant process: the
 # The fast test subsets that exercise each file (the worker ones run the tiny model on CPU).
 declare -A TESTS=(
   [evenflow/core/sched/scheduler.py]="tests/core"
-  [evenflow/core/sched/ledger.py]="tests/core"
+  [evenflow/core/sched/ledger.py]="tests/core tests/lora/test_lora_admission.py"
   [evenflow/core/kv/manager.py]="tests/core"
   [evenflow/core/kv/block_pool.py]="tests/core"
   [evenflow/core/request.py]="tests/core"

@@ -214,3 +214,26 @@ def test_a_request_still_owed_a_token_does_not_hold_up_the_queue() -> None:
     assert scheduler.schedule().preempted_req_ids == ["b"]
     add(scheduler, "c", 3, arrival=2.0)
     assert [new.req_id for new in scheduler.schedule().scheduled_new_reqs] == ["c"]
+
+
+def test_a_held_request_is_skipped_with_its_blocks_until_released() -> None:
+    """Backpressure: ``hold_requests`` stops scheduling a request (running or waiting) without
+    freeing its blocks; releasing it resumes it where it was. Unknown ids are ignored."""
+    scheduler = make_scheduler()
+    add(scheduler, "a", 5)
+    add(scheduler, "b", 5)
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, sample(first, {}, scheduler))
+    blocks = list(scheduler.kv_cache_manager.get_block_ids("a"))
+    computed = scheduler.requests["a"].num_computed_tokens
+    scheduler.hold_requests(["a", "nobody"], True)
+    add(scheduler, "c", 5)
+    scheduler.hold_requests(["c"], True)
+    for _ in range(2):
+        held = scheduler.schedule()
+        assert set(held.num_scheduled_tokens) == {"b"}  # neither the running a nor the waiting c
+        scheduler.update_from_output(held, sample(held, {}, scheduler))
+    assert scheduler.kv_cache_manager.get_block_ids("a") == blocks
+    assert scheduler.requests["a"].num_computed_tokens == computed
+    scheduler.hold_requests(["a", "c"], False)
+    assert set(scheduler.schedule().num_scheduled_tokens) == {"a", "b", "c"}

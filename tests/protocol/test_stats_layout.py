@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import msgspec
-from msgspec import Struct, field
+from msgspec import field
 
 from evenflow.protocol import (
     Codec, EngineToFrontend, GrammarStats, KVCacheStats, Outputs, SchedulerCounts, SchedulerStats, SpecDecodingStats,
@@ -11,23 +11,20 @@ from evenflow.protocol import (
 )
 
 
-class _NewerKVCacheStats(Struct, array_like=True):
+class _NewerKVCacheStats(KVCacheStats, array_like=True):
     """The KV cache's part as a later engine might send it: one field appended."""
 
-    usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
     num_offloaded_blocks: int = 0
 
 
-class _NewerSchedulerStats(Struct, array_like=True):
-    scheduler: SchedulerCounts = field(default_factory=SchedulerCounts)
-    kv_cache: _NewerKVCacheStats = field(default_factory=_NewerKVCacheStats)
-    workers: WorkerTimingStats = field(default_factory=WorkerTimingStats)
-    grammar: GrammarStats = field(default_factory=GrammarStats)
-    budget: TokenBudgetStats = field(default_factory=TokenBudgetStats)
-    spec_decode: SpecDecodingStats = field(default_factory=SpecDecodingStats)
-    lora: list[int] = []  # a new owner's part, appended
+# SchedulerStats as a later engine might send it: that KV part, and a new owner's part appended.
+_NewerSchedulerStats = msgspec.defstruct(
+    "_NewerSchedulerStats",
+    [(f.name, _NewerKVCacheStats, field(default_factory=_NewerKVCacheStats)) if f.name == "kv_cache"
+     else (f.name, f.type, field(default_factory=f.default_factory)) for f in msgspec.structs.fields(SchedulerStats)]
+    + [("lora", list[int], field(default_factory=list))],
+    array_like=True,
+)
 
 
 def _full() -> SchedulerStats:

@@ -35,7 +35,11 @@ def test_a_reader_that_stops_holds_its_request_and_a_stuck_one_is_aborted(tiny_l
         await client.connect(timeout=30)
         stream = client.generate("slow", [2, 7, 1], SamplingParams(max_tokens=300, **GREEDY))
         tokens = list((await stream.__anext__()).new_token_ids)
-        await asyncio.sleep(1.5)  # not reading: the outputs pile up to the hold, then stop
+        for _ in range(100):  # not reading: the outputs pile up to the hold, then stop
+            await asyncio.sleep(0.1)
+            if client.holds:
+                break
+        await asyncio.sleep(0.5)
         buffered = client._streams["slow"].queue.qsize()
         generated = (await _stats(client)).scheduler.num_generation_tokens
         await asyncio.sleep(1.0)

@@ -97,11 +97,14 @@ class _Planned:
     shape: StepShape
     predicted_s: float
     has_decodes: bool
-    has_prefill: bool = False
     prefill_tokens: int = 0
     decodes_alone_s: float = 0.0  # the model's prediction of the step without its prompt chunks
     aimed: bool = False  # its allowance was sized to the aim (not forced by the share or the floor)
     trace: PlannedStep | None = None
+
+    @property
+    def has_prefill(self) -> bool:
+        return self.prefill_tokens > 0
 
 
 class BudgetController:
@@ -211,8 +214,7 @@ class BudgetController:
         step_id = output.step_id
         self._planned.pop(step_id - 8, None)  # a step never sent (an engine shutting down) is not kept
         decodes_alone = shape_of_step(survey.decodes, survey.decode_context, [], drafts)
-        planned = _Planned(shape, self.model.predict(shape), survey.decodes > 0, gate.prefill_tokens > 0,
-                           gate.prefill_tokens, self.model.predict(decodes_alone), self._bound_by not in UNAIMED)
+        planned = _Planned(shape, self.model.predict(shape), survey.decodes > 0, gate.prefill_tokens, self.model.predict(decodes_alone), self._bound_by not in UNAIMED)
         if self._pending_trace is not None:
             planned.trace, self._pending_trace = self._pending_trace, None
             planned.trace.step_id, planned.trace.prefill_tokens = step_id, gate.prefill_tokens

@@ -23,9 +23,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Only interfaces every revision has (WorkerConfig, ModelRunner, synthetic_step), so any two can be compared.
+# Only interfaces every revision has (WorkerConfig, ModelRunner, synthetic_step), so any two can be compared;
+# the forward's ``greedy`` flag only where the revision has it.
 SNIPPET = """
-import logging, sys, time, torch
+import inspect, logging, sys, time, torch
 logging.disable(logging.WARNING)
 from evenflow.protocol import WorkerConfig
 from evenflow.worker.runner import ModelRunner
@@ -42,12 +43,14 @@ torch.set_num_threads(threads)
 step = synthetic_step([1], [context], runner.block_size, runner.device)
 caches = runner._scratch_caches(step.num_blocks)
 meta = SamplingMetadata(num_reqs=1, vocab_size=runner.vocab_size)
+# Plain greedy, as the runner tells a forward that has the flag (argmax-only LM head).
+greedy = {"greedy": True} if "greedy" in inspect.signature(runner.model.forward).parameters else {}
 wall, cpu = [], []
 with torch.inference_mode():
     for i in range(steps + 3):
         t0, c0 = time.perf_counter(), time.process_time()
         logits = runner.model(step.input_ids, step.positions, caches, runner.attn, runner.attn.plan(step.attn),
-                              step.logits_indices)
+                              step.logits_indices, **greedy)
         runner.sampler(logits, meta).sampled_token_ids.tolist()
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)

@@ -75,7 +75,8 @@ def op_split(runner: ModelRunner, batch: int, context: int, steps: int = 10) -> 
         plan = attn.plan
 
     def one() -> None:
-        logits = model(step.input_ids, step.positions, caches, _Attention, attn.plan(step.attn), step.logits_indices)
+        logits = model(step.input_ids, step.positions, caches, _Attention, attn.plan(step.attn), step.logits_indices,
+                       greedy=True)
         sampler(logits, meta).sampled_token_ids.tolist()
 
     if screened is None:

@@ -132,7 +132,8 @@ def profile_decode(runner: ModelRunner, batch: int, context: int, steps: int = 2
                 model.linear = linear
                 model.head_linear, model._screened_head = (head, None) if screened is None else (head_kernel, head)
                 t0 = clock()
-                logits = model(step.input_ids, step.positions, caches, attn, attn.plan(step.attn), step.logits_indices)
+                logits = model(step.input_ids, step.positions, caches, attn, attn.plan(step.attn), step.logits_indices,
+                               greedy=True)
                 sampler(logits, meta).sampled_token_ids.tolist()
                 total = clock() - t0
                 if i >= 2:

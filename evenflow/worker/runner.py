@@ -212,7 +212,7 @@ class ModelRunner:
         self.forward_timer.start()
         with torch.inference_mode():
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attn, plan,
-                                logits_rows(inputs, prompt_plan), lora)
+                                logits_rows(inputs, prompt_plan), lora, self._argmax_only(so, inputs, prompt_plan))
         self.forward_timer.stop()
         logits, prompt_logprobs = split_prompt_logits(logits, inputs, prompt_plan, self.tp.rank == 0)
         sample_mask = inputs.sample_mask
@@ -258,6 +258,13 @@ class ModelRunner:
         pairs = int((np.diff(a.query_start_loc_np) * a.seq_lens_np).sum())
         return step_flops(self.num_params, a.num_tokens, pairs, self.model_config.num_layers, self.model.num_heads,
                           self.model_config.head_dim)
+
+    @staticmethod
+    def _argmax_only(so: SchedulerOutput, inputs: StepInputs, prompt_plan: object) -> bool:
+        """Whether the step reads nothing of its logits but each row's argmax (the LM head may then
+        leave the rest rough): every request plain greedy, no grammar mask, no prompt logprobs."""
+        return (prompt_plan is None and not so.structured_output_req_ids
+                and all(s.sampling.is_plain_greedy for s in inputs.requests))
 
     def _sample(self, logits: torch.Tensor, reqs: list[RequestState]) -> tuple[np.ndarray, list | None]:
         """Rank 0 samples; other ranks receive its ids. Returns (ids as numpy, sampler logprobs)."""

@@ -21,8 +21,9 @@ class Scored:
         return math.exp(float(self.nll.mean()))
 
 
-def score(runner: ModelRunner, tokens: list[int], chunk: int) -> Scored:
-    """Logits at every position of ``tokens`` computed ``chunk`` positions per forward."""
+def score(runner: ModelRunner, tokens: list[int], chunk: int, greedy: bool = False) -> Scored:
+    """Logits at every position of ``tokens`` computed ``chunk`` positions per forward; ``greedy``: as a
+    plain greedy step asks them (only each row's argmax is float32's)."""
     model, caches = runner.model, runner.kv_caches
     parts = []
     with torch.inference_mode():
@@ -30,7 +31,7 @@ def score(runner: ModelRunner, tokens: list[int], chunk: int) -> Scored:
             ids = tokens[start : start + chunk]
             step = synthetic_step([len(ids)], [start + len(ids)], runner.block_size, runner.device)
             logits = model(torch.tensor(ids), step.positions, caches, runner.attn, runner.attn.plan(step.attn),
-                           torch.arange(len(ids)))
+                           torch.arange(len(ids)), greedy=greedy)
             parts.append(logits.float())
     logits = torch.cat(parts)[:-1]
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(tokens[1:]), reduction="none")

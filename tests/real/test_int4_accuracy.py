@@ -102,7 +102,8 @@ def test_int4_greedy_agrees_wherever_the_float32_choice_is_clear(float32_runner:
         kernel = int4_runner.model.linear
         saved, kernel.plan = kernel.plan, Int4Plan(DECODE_ROWS, kernel.plan.dense_dtype, "test")
         try:
-            got = score(int4_runner, full, DECODE_ROWS).logits[len(ids) - 1:]  # the decode kernel
+            # the decode kernel, and the argmax-only LM head a plain greedy step takes
+            got = score(int4_runner, full, DECODE_ROWS, greedy=True).logits[len(ids) - 1:]
         finally:
             kernel.plan = saved
         top2 = ref.topk(2, dim=-1).values
@@ -131,6 +132,8 @@ def test_the_demo_answer_starts_as_float32_does_through_every_int4_path(
         else:
             kernel.plan = Int4Plan(0, torch.bfloat16 if "bfloat16" in path else torch.float32, "test")
         got = int(score(int4_runner, ids, len(ids)).logits[-1].argmax())
+        argmax_only = int(score(int4_runner, ids, len(ids), greedy=True).logits[-1].argmax())
     finally:
         kernel.plan = saved
     assert got == expected, tokenizer.decode([got])
+    assert argmax_only == expected, tokenizer.decode([argmax_only])

@@ -1,6 +1,7 @@
 """The screened LM head (models/lm_head.py) against the float32 head it stands in for: the leading
-logits of every row are float32's, the rest within bfloat16's rounding, and a real int4 model serves
-through it only where the CPU has native bfloat16."""
+logits of every row are float32's, the rest within bfloat16's rounding; on argmax-only steps (the
+4-bit screen) the argmax is float32's; a real int4 model serves through it only where the CPU has
+native bfloat16, and through the 4-bit screen only on plain greedy steps."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from evenflow.worker.models.linear import cpu_has_fast_path
 from evenflow.worker.models.lm_head import SCREEN_TOP, ScreenedHead
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
-from tests.worker.harness import make_runner
+from evenflow.protocol import SamplingParams
+from tests.worker.harness import Job, greedy, make_runner, run_jobs
 
 needs_bf16 = pytest.mark.skipif(not (cpu_has_fast_path(torch.bfloat16) and ScreenedHead.works()),
                                 reason="no native bfloat16 on this CPU: the head stays float32")
@@ -46,3 +48,49 @@ def test_int4_model_serves_the_screened_head_and_float32_keeps_the_dense_one(che
     dense = make_runner(model, num_blocks=16, block_size=16, max_model_len=64, quantization="none").model
     assert isinstance(int4._screened_head, ScreenedHead) and int4._head is None
     assert dense._screened_head is None and dense._head is not None
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 5, 130])
+@pytest.mark.parametrize("spread", [0.2, 1e-3])  # 1e-3: logits far closer than the 4-bit error, all suspects
+def test_the_greedy_screen_keeps_float32s_argmax_and_recomputes_the_leaders(rows: int, spread: float) -> None:
+    g = torch.Generator().manual_seed(rows)
+    base = torch.randn(1, 96, generator=g) * 0.2
+    table = base + torch.randn(3000, 96, generator=g) * spread  # 3000: not whole 64-row tiles
+    x = torch.randn(rows, 96, generator=g)
+    reference = x.double() @ table.double().t()
+    head = ScreenedHead(table)
+    assert head.int4 is not None
+    got = head(x, greedy=True)
+    assert got.dtype == torch.float32 and got.shape == (rows, 3000)
+    assert torch.equal(got.argmax(1), reference.argmax(1))
+    best = got.gather(1, got.argmax(1, keepdim=True))
+    torch.testing.assert_close(best.double(), reference.max(1, keepdim=True).values, rtol=1e-5, atol=1e-5)
+
+
+class _Recorder:
+    """Stands in for the model's screened head, noting each call's ``greedy`` flag."""
+
+    def __init__(self, head: ScreenedHead) -> None:
+        self.head, self.flags = head, []
+
+    def __call__(self, x: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        self.flags.append(greedy)
+        return self.head(x, greedy)
+
+
+@needs_bf16
+def test_only_plain_greedy_steps_take_the_greedy_screen(checkpoint_root: Path, tmp_path: Path) -> None:
+    model = write_gguf(make_checkpoint(checkpoint_root, seed=3), tmp_path / "q4_1.gguf",
+                       gguf.GGMLQuantizationType.Q4_1)
+    runner = make_runner(model, num_blocks=16, block_size=16, max_model_len=64, quantization="gguf")
+    recorder = _Recorder(runner.model._screened_head)
+    runner.model._screened_head = recorder
+    prompt = [1, 5, 9, 3]
+    run_jobs(runner, [Job("g", prompt, 4, params=greedy(4))], num_blocks=16)
+    assert recorder.flags and all(recorder.flags)
+    recorder.flags.clear()
+    for params in (SamplingParams(max_tokens=4, temperature=0.8, seed=1, ignore_eos=True),
+                   SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)):
+        run_jobs(runner, [Job("s", prompt, 4, params=params)], num_blocks=16)
+    assert recorder.flags and not any(recorder.flags)

@@ -277,10 +277,12 @@ class LlamaModel(nn.Module):
         attn_plan: object,
         logits_indices: torch.Tensor,
         lora: LoRAStep | None = None,
+        greedy: bool = False,
     ) -> torch.Tensor:
         """Run every layer over the step's tokens; return float32 logits [len(logits_indices), vocab].
 
         ``lora`` adds the step's LoRA adapters to the projections they target (evenflow/worker/lora/pool.py).
+        ``greedy``: only each row's argmax is read, so the LM head may leave the other logits rough.
         """
         cfg = self.cfg
         eps, d = cfg.rms_norm_eps, cfg.head_dim
@@ -325,6 +327,6 @@ class LlamaModel(nn.Module):
             x.add_(tp.all_reduce(down))
         x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
         if self._screened_head is not None:  # never with tensor parallelism (int4 projections are off there)
-            return self._screened_head(x)[:, : cfg.vocab_size]
+            return self._screened_head(x, greedy)[:, : cfg.vocab_size]
         logits = self.tp.all_gather_last_dim(self.head_linear(x, self._head, None).float())
         return logits[:, : cfg.vocab_size]

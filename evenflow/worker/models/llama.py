@@ -9,6 +9,7 @@ RMSNorm. Projections are fused (qkv, gate_up) and sharded for tensor parallelism
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from evenflow.worker.attention.base import AttentionBackend, KVCache
 from evenflow.worker.config_reader import ModelConfig
 from evenflow.worker.lora.pool import LoRAStep
 from evenflow.worker.models.int4_linear import Int4CpuLinear, int4_fits, int4_plan
-from evenflow.worker.models.layers import RotaryTable, apply_rotary, rms_norm, rms_norm_heads
+from evenflow.worker.models.layers import RotaryTable, apply_rotary, rms_norm, rms_norm_heads, rms_norm_narrowing
 from evenflow.worker.models.lm_head import ScreenedHead
 from evenflow.worker.models.linear import (
     UpcastCpuLinear, cpu_has_fast_path, emulated_slowdown, pick_linear,
@@ -124,6 +125,9 @@ class LlamaModel(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         # Qwen3: one weight row per head over the q and k heads together, so one norm call per layer.
         self._qk_norm_weights: list[torch.Tensor] = []
+        # Per layer (input norm, post norm) weights * sqrt(hidden), for rms_norm_narrowing.
+        self._scaled_norms: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._eps_root = torch.tensor(math.sqrt(cfg.hidden_size * cfg.rms_norm_eps))
         # Filled by finish_loading: the weights in the linear kernel's own layout.
         self._linears: list[LayerLinears] = []
         self._head: torch.Tensor | None = None
@@ -188,7 +192,17 @@ class LlamaModel(nn.Module):
                 torch.cat([layer.q_norm.expand(self.num_heads, -1), layer.k_norm.expand(self.num_kv_heads, -1)])
                 for layer in self.layers
             ]
+        root = math.sqrt(self.cfg.hidden_size)
+        self._scaled_norms = [(layer.input_norm * root, layer.post_norm * root) for layer in self.layers]
         self._prepare_linears()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, scaled: torch.Tensor, out_dtype: torch.dtype
+              ) -> torch.Tensor:
+        """RMSNorm into the next projection's dtype: a narrowing one (int4's bfloat16 from the float32
+        stream) takes the shorter form; the rest, the float32 reference path among them, F.rms_norm."""
+        if x.dtype == torch.float32 and out_dtype != torch.float32:
+            return rms_norm_narrowing(x, scaled, self._eps_root, out_dtype)
+        return rms_norm(x, weight, self.cfg.rms_norm_eps, out_dtype)
 
     def _prepare_linears(self) -> None:
         """Hand every projection weight to the linear kernel once. A kernel that re-lays a weight
@@ -296,8 +310,8 @@ class LlamaModel(nn.Module):
         # written so by the op before it; outputs stay in that dtype and are widened by the op that reads
         # them (the residual add, the rotary multiply). LoRA's matmuls need the model's dtype.
         act = dtype if lora is not None else None
-        for i, (layer, w) in enumerate(zip(self.layers, self._linears)):
-            h = rms_norm(x, layer.input_norm, eps, act or linear.act_dtype(w.qkv, n))
+        for i, (layer, w, (in_scaled, post_scaled)) in enumerate(zip(self.layers, self._linears, self._scaled_norms)):
+            h = self._norm(x, layer.input_norm, in_scaled, act or linear.act_dtype(w.qkv, n))
             qkv = linear(h, w.qkv, w.qkv_bias)
             if lora is not None:
                 lora.add(i, "qkv", h, qkv)
@@ -314,7 +328,7 @@ class LlamaModel(nn.Module):
             if lora is not None:  # row-parallel: each rank's partial delta joins the all-reduce
                 lora.add(i, "o", o, o_out)
             x.add_(tp.all_reduce(o_out))  # x is this step's own tensor (the embedding lookup's output)
-            h = rms_norm(x, layer.post_norm, eps, act or linear.act_dtype(w.gate_up, n))
+            h = self._norm(x, layer.post_norm, post_scaled, act or linear.act_dtype(w.gate_up, n))
             gu = linear(h, w.gate_up, None)
             if lora is not None:
                 lora.add(i, "gate_up", h, gu)

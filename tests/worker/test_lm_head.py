@@ -53,7 +53,7 @@ def test_int4_model_serves_the_screened_head_and_float32_keeps_the_dense_one(che
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, 5, 130])
 @pytest.mark.parametrize("spread", [0.2, 1e-3])  # 1e-3: logits far closer than the 4-bit error, all suspects
-def test_the_greedy_screen_keeps_float32s_argmax_and_recomputes_the_leaders(rows: int, spread: float) -> None:
+def test_the_greedy_screen_keeps_float32s_argmax_and_its_value(rows: int, spread: float) -> None:
     g = torch.Generator().manual_seed(rows)
     base = torch.randn(1, 96, generator=g) * 0.2
     table = base + torch.randn(3000, 96, generator=g) * spread  # 3000: not whole 64-row tiles

@@ -76,12 +76,12 @@ def _nbytes(weight: torch.Tensor | Int4Weight) -> int:
 
 
 def decode_step_bytes(runner: ModelRunner, batch: int, context: int) -> tuple[int, int]:
-    """(weight bytes, KV bytes) one decode step of ``batch`` sequences at ``context`` tokens reads."""
+    """(weight bytes, KV bytes) one greedy decode step of ``batch`` sequences at ``context`` tokens reads."""
     model = runner.model
     weights = sum(_nbytes(getattr(w, name)) for w in model._linears for name in ("qkv", "o", "gate_up", "down"))
     weights += sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name.endswith("norm"))
     head = model._screened_head
-    weights += _nbytes(model._head) if head is None else head.step_nbytes(batch)
+    weights += _nbytes(model._head) if head is None else head.step_nbytes(batch, greedy=True)
     weights += batch * model.embed.shape[1] * model.embed.element_size()
     kv_elem = torch.empty(0, dtype=runner.torch_dtype).element_size()
     kv = 2 * model.cfg.num_layers * batch * context * model.num_kv_heads * model.cfg.head_dim * kv_elem

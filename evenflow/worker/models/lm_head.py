@@ -44,9 +44,12 @@ class ScreenedHead:
         self.screen = self.kernel.prepare(table.to(torch.bfloat16))
         self.int4 = Int4Screen(table) if _INT4_MM is not None and table.shape[1] % GROUP == 0 else None
 
-    def step_nbytes(self, rows: int) -> int:
-        """Bytes of weights a step of ``rows`` rows reads: the bf16 table once, SCREEN_TOP float32 rows a row."""
+    def step_nbytes(self, rows: int, greedy: bool = False) -> int:
+        """Bytes of weights a step of ``rows`` rows reads: the bf16 table once, SCREEN_TOP float32 rows a
+        row (``greedy``: the 4-bit table once, the recomputed rows left out, some tens a row)."""
         vocab, hidden = self.table.shape
+        if greedy and self.int4 is not None:
+            return self.int4.weight.nbytes
         return vocab * hidden * 2 + rows * min(SCREEN_TOP, vocab) * hidden * 4
 
     @staticmethod

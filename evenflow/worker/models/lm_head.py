@@ -14,10 +14,11 @@ A step whose rows are all plain greedy reads nothing but each row's argmax, so `
 with a 4-bit copy instead (groups of 32, a quarter of the bfloat16 bytes; SmolLM2: 1.6 against 3.9 ms).
 Its logits are too rough for anything but that argmax (error std ~0.5 on SmolLM2, worst 4.3), so the
 tail is never handed to sampling or logprobs. To keep the argmax float32's, the screen's leader is
-recomputed in float32, and so is every token whose screen logit lies within ``_GREEDY_SIGMAS`` of its
-own error scale of that value (the argmax is at least it). That scale is ``|x| * rms(table row - 4-bit row)``, the
-standard deviation of the row's rounding error against ``x``; over 7M real SmolLM2 logits the worst
-error was 4.9 of it, so a token left at its screen value would have to be off by twice that to win.
+recomputed in float32 (the argmax is at least that value), and so is every token whose screen logit
+lies within ``_GREEDY_SIGMAS`` of its own error scale of it. That scale, ``|x| * rms(table row - 4-bit
+row)``, is the standard deviation of the row's rounding error against ``x``; over 7M real SmolLM2
+logits the worst error was 4.9 of it, so a token left at its screen value would have to be off by
+twice that to win.
 
 Used where the projections are int4 and the CPU has native bfloat16 (oneDNN-packed bf16 GEMV, 2.3x
 faster than float32 at one row here); elsewhere the head is the plain dense linear.
@@ -97,8 +98,7 @@ class Int4Screen:
         vocab, hidden = table.shape
         self.vocab = vocab
         rows = -(-vocab // PACK_TILE_ROWS) * PACK_TILE_ROWS  # the kernel packs whole 64-row tiles
-        padded = torch.zeros(rows, hidden)
-        padded[:vocab] = table
+        padded = table if rows == vocab else torch.cat((table, table.new_zeros(rows - vocab, hidden)))
         groups = padded.view(rows, hidden // GROUP, GROUP)
         lo, hi = groups.amin(-1), groups.amax(-1)
         scale = ((hi - lo) / 15).bfloat16().float()

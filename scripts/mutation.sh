@@ -65,6 +65,10 @@ run_one() {
     read -ra names <<< "$MUTATION_ONLY"  # space-separated globs; read does not expand them
   fi
   mkdir -p "$root"
+  # mutmut regenerates mutants/ only for sources it finds changed: after another file's run it would
+  # mutate nothing (and fail collecting stats), so mutants/ is made afresh whenever the file changes.
+  if [[ $(cat "$root/.mutated_file" 2>/dev/null) != "$file" ]]; then rm -rf "$repo/mutants"; fi
+  echo "$file" > "$root/.mutated_file"
   # PYTHONPATH would put the unmutated tree before mutants/ (mutmut puts mutants/ first itself).
   (cd "$repo" && PYTHONPATH= nice -n 10 "$python" -m mutmut run --max-children "$jobs" "${names[@]}" \
       > "$root/$module.log" 2>&1) || {

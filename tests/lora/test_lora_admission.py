@@ -7,7 +7,7 @@ from __future__ import annotations
 from evenflow.core.request import Request, RequestStatus
 from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.sched.scheduler import Scheduler
-from evenflow.protocol import AdapterRef, ModelRunnerOutput, SamplingParams, SchedulerOutput
+from evenflow.protocol import ERR_INVALID_REQUEST, AdapterRef, ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 A, B, C = (AdapterRef(n, n * 8, f"/adapters/{n}", 4) for n in "abc")
 
@@ -63,13 +63,17 @@ def test_at_most_max_loras_adapters_run_and_the_waiting_keep_their_place() -> No
 
 
 def test_an_adapter_that_fails_to_load_fails_its_requests_with_the_reason() -> None:
-    sched = make_scheduler(1)
-    add(sched, "bad", A)
+    sched = make_scheduler(2)
+    base, bad, good = add(sched, "base", None), add(sched, "bad", A), add(sched, "good", B)
     so = sched.schedule()
-    finish_step(sched, so, lora_failed=[A.identity], lora_failed_reasons=["OSError: gone"])
+    assert list(so.num_scheduled_tokens) == ["base"] and so.lora_prefetch == [A, B]
+    finish_step(sched, so, lora_loaded=[B.identity], lora_failed=[A.identity], lora_failed_reasons=["OSError: gone"])
     (error,) = sched.take_grammar_failures()
     assert error.request_id == "bad" and "failed to load: OSError: gone" in error.message
-    assert not sched.has_unfinished_requests()
+    assert error.code == ERR_INVALID_REQUEST and bad.status == RequestStatus.FINISHED_ERROR
+    # Only the failed adapter's requests: the base model's (running) and another adapter's (waiting) go on.
+    assert base.status == RequestStatus.RUNNING and not good.is_finished
+    assert "good" in sched.schedule().num_scheduled_tokens
 
 
 def test_an_engine_without_lora_refuses_adapter_requests() -> None:

@@ -35,7 +35,7 @@ from evenflow.worker.models.registry import build_model
 from evenflow.worker.parallel import destroy_tensor_parallel, init_tensor_parallel
 from evenflow.worker.prompt_logprobs import PromptLogprobsTracker, logits_rows, split_prompt_logits
 from evenflow.worker.sampler import Sampler
-from evenflow.worker.sampling_metadata import SamplingMetadata
+from evenflow.worker.sampling_metadata import SamplingMetadata, all_plain_greedy
 from evenflow.worker.spec_decode import GeneratorRewind, NgramDrafter, accept_drafts, emitted_rows
 from evenflow.worker.synthetic_steps import SyntheticStep, heaviest_sampling, synthetic_step, warmup_shapes
 from evenflow.worker.threads import ThreadSetter, plan_step_threads, process_run_queue_wait, step_flops
@@ -264,7 +264,7 @@ class ModelRunner:
         """Whether the step reads nothing of its logits but each row's argmax (the LM head may then
         leave the rest rough): every request plain greedy, no grammar mask, no prompt logprobs."""
         return (prompt_plan is None and not so.structured_output_req_ids
-                and all(s.sampling.is_plain_greedy for s in inputs.requests))
+                and all_plain_greedy(s.sampling for s in inputs.requests))
 
     def _sample(self, logits: torch.Tensor, reqs: list[RequestState]) -> tuple[np.ndarray, list | None]:
         """Rank 0 samples; other ranks receive its ids. Returns (ids as numpy, sampler logprobs)."""

@@ -7,6 +7,7 @@ common case) and moves nothing to the device.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,6 +101,12 @@ class RandomSamplingMetadata:
     any_unseeded: bool
 
 
+def all_plain_greedy(states: Iterable[RequestSamplingState]) -> bool:
+    """Whether every request takes the plain argmax: no sampling, penalties, min_tokens or logprobs
+    (the sampler then builds nothing, and the LM head may leave all but each row's argmax rough)."""
+    return all(s.is_plain_greedy for s in states)
+
+
 @dataclass
 class SamplingMetadata:
     """Everything the sampler needs for one step, built from the batch's states."""
@@ -121,7 +128,7 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """Gather the step's sampling parameters; rows follow the order of ``states``."""
         meta = cls(num_reqs=len(states), vocab_size=vocab_size)
-        if all(s.is_plain_greedy for s in states):
+        if all_plain_greedy(states):
             return meta  # the hot path: plain argmax, nothing to move to the device
         random_rows: list[int] = []
         penalty_rows: list[int] = []

@@ -119,9 +119,11 @@ def main() -> None:
     block_size = 16
     longest = max(max(ints(args.decode_contexts)), max(ints(args.chunk_contexts)) + max(ints(args.chunks)) + 1)
     max_len = -(-(longest + 1) // block_size) * block_size  # room for every shape's prompt and its one new token
-    grid = [Shape(d, cd, p, cp) for d, cd, p, cp in itertools.product(
+    # A chunk of 0 has no context: every decodes-alone shape is listed once, whatever --chunk-contexts
+    # holds, as each chunk's own cost is measured against it.
+    grid = list(dict.fromkeys(Shape(d, cd, p, cp if p else 0) for d, cd, p, cp in itertools.product(
         ints(args.decodes), ints(args.decode_contexts), ints(args.chunks), ints(args.chunk_contexts))
-        if (d or p) and not (d == 0 and cd != ints(args.decode_contexts)[0]) and not (p == 0 and cp)]
+        if (d or p) and not (d == 0 and cd != ints(args.decode_contexts)[0])))
     max_decodes = max(ints(args.decodes))
     num_blocks = (max_decodes + 2) * (max_len // block_size)
     runner = ModelRunner(WorkerConfig(model=args.model_dir, dtype=args.dtype, device="cpu", block_size=block_size,

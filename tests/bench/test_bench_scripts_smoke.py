@@ -76,6 +76,18 @@ def test_profile_step_time_fits_a_small_grid(tiny_llama) -> None:  # type: ignor
     assert lines[-1].startswith("median |error| of a step:")
 
 
+
+def test_profile_step_time_lists_the_decodes_alone_without_a_zero_chunk_context(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """Each chunk's own cost is measured against its decodes alone: they are timed even when
+    --chunk-contexts has no 0."""
+    proc = run_script("profile_step_time.py", ["--model-dir", str(tiny_llama), "--repeats", "1", "--threads", "1",
+                                               "--decodes", "2", "--decode-contexts", "24", "--chunks", "0,8",
+                                               "--chunk-contexts", "16"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shapes = [line.split("|")[0].split() for line in proc.stdout.splitlines()
+              if re.match(r"\s*\d+\s+\d+\s+\d+\s+\d+ \|", line)]
+    assert shapes == [["2", "24", "0", "0"], ["2", "24", "8", "16"]]
+
 def test_bench_trees_compares_a_tree_with_itself_round_by_round() -> None:
     repo = str(Path(__file__).resolve().parents[2])
     proc = run_script("bench_trees.py", ["--old", repo, "--new", repo, "--rounds", "2", "--",

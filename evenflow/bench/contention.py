@@ -87,13 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--threads", default="auto,auto-spin,1",
                    help="comma-separated --worker-threads values (auto: the plan; auto-spin: the plan with "
-                        "OpenMP's default spinning, GOMP_SPINCOUNT=300000, as before worker/omp_env.py)")
+                        "OpenMP's default spinning, GOMP_SPINCOUNT=300000, as before worker/omp_env.py; "
+                        "auto-spinN: the plan with GOMP_SPINCOUNT=N)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so each LLM stops its engine-core
     common: dict[str, object] = {"max_model_len": 1024, "max_num_batched_tokens": args.max_num_batched_tokens,
                                  "kv_cache_memory": str(1 << 30), "client_timeout": 30.0}
     settings = [Setting(f"worker-threads {t}", {} if t.startswith("auto") else {"worker_threads": int(t)},
-                        {"GOMP_SPINCOUNT": "300000"} if t == "auto-spin" else {})
+                        {"GOMP_SPINCOUNT": t.removeprefix("auto-spin") or "300000"} if t.startswith("auto-spin") else {})
                 for t in args.threads.split(",")]
     for s in settings:
         measure(s, args.model, args.rounds, args.requests, args.max_tokens, args.pin, common)

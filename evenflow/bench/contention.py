@@ -77,6 +77,15 @@ def measure(setting: Setting, model: str, rounds: int, num_requests: int, max_to
                 print(f"  {setting.name:<22} round {r} {which:<5} {seconds:6.2f} s", flush=True)
 
 
+def wait_env(setting: str) -> dict[str, str]:
+    """The OpenMP wait variables a ``--threads`` setting exports (none: the worker's own choice)."""
+    if setting == "auto-passive":
+        return {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+    if setting.startswith("auto-spin"):
+        return {"GOMP_SPINCOUNT": setting.removeprefix("auto-spin") or "300000"}
+    return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", required=True)
@@ -85,17 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--pin", type=int, default=None, help="CPU to pin the busy process to (default: not pinned)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--threads", default="auto,auto-spin,1",
-                   help="comma-separated --worker-threads values (auto: the plan; auto-spin: the plan with "
-                        "OpenMP's default spinning, GOMP_SPINCOUNT=300000, as before worker/omp_env.py; "
-                        "auto-spinN: the plan with GOMP_SPINCOUNT=N)")
+    p.add_argument("--threads", default="auto,auto-passive,auto-spin,1",
+                   help="comma-separated --worker-threads values (auto: the plan with the worker's waits, "
+                        "worker/omp_env.py; auto-passive: the plan with threads sleeping at once, "
+                        "OMP_WAIT_POLICY=PASSIVE; auto-spin: OpenMP's default spinning, GOMP_SPINCOUNT=300000; "
+                        "auto-spinN: GOMP_SPINCOUNT=N)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so each LLM stops its engine-core
     common: dict[str, object] = {"max_model_len": 1024, "max_num_batched_tokens": args.max_num_batched_tokens,
                                  "kv_cache_memory": str(1 << 30), "client_timeout": 30.0}
     settings = [Setting(f"worker-threads {t}", {} if t.startswith("auto") else {"worker_threads": int(t)},
-                        {"GOMP_SPINCOUNT": t.removeprefix("auto-spin") or "300000"} if t.startswith("auto-spin") else {})
-                for t in args.threads.split(",")]
+                        wait_env(t)) for t in args.threads.split(",")]
     for s in settings:
         measure(s, args.model, args.rounds, args.requests, args.max_tokens, args.pin, common)
     print(f"\n{args.requests} requests x {args.max_tokens} tokens, budget {args.max_num_batched_tokens}, "

@@ -155,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet = quiet_omp_waits()  # before torch loads the OpenMP runtime (serve imports it)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{cfg.rank} %(levelname)s %(message)s")
     if quiet and cfg.rank == 0:
-        log.info("OpenMP threads sleep between regions (%s): spinning collapses when a core is shared",
+        log.info("OpenMP threads spin briefly, then sleep, between regions (%s): long spins collapse "
+                 "when a core is shared",
                  " ".join(f"{k}={v}" for k, v in quiet.items()))
     # Ctrl-C in a terminal (or a SIGTERM to the process group) reaches every process: the
     # engine-core decides when we stop (WorkerShutdown), and we exit by ourselves if it dies.

@@ -13,8 +13,8 @@ A CPU worker shares its cores with the engine-core, the frontends and their sock
   step's parallel regions waits a scheduler time slice for the descheduled thread: in one run with
   a busy-looping process beside the tiny model, 2-thread steps made p99 ITL 1.27 s against 61 ms
   on 1 thread. Most of that was OpenMP's spinning (idle threads burning the slices the late one
-  needed): workers now sleep between regions (``evenflow/worker/omp_env.py``). What is left, a
-  region waiting for a thread that shares its core, ``ThreadSetter`` handles: it watches what long
+  needed): workers spin only briefly before they sleep (``evenflow/worker/omp_env.py``). What is
+  left, a region waiting for a thread that shares its core, ``ThreadSetter`` handles: it watches what long
   steps cost and leaves a core free for a while when one costs far more than usual.
 """
 

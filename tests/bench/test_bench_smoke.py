@@ -11,6 +11,7 @@ from pathlib import Path
 from evenflow.bench import serving as bench_serving
 import pytest
 from evenflow.bench.capacity import Probe, search_capacity
+from evenflow.bench.contention import wait_env
 from evenflow.bench.client import RequestRecord
 from evenflow.bench.metrics import MetricsSnapshot, engine_numbers, parse_prometheus
 from evenflow.bench.server import ServerConfig, evenflow_argv, peer_problem, vllm_argv
@@ -255,3 +256,10 @@ def test_engine_specs_serve_one_model_with_one_kv_size(tmp_path: Path) -> None:
     assert llama[:3] == ["/b/llama-server", "-m", "/m/model.gguf"]
     assert llama[llama.index("-b") + 1] == llama[llama.index("-ub") + 1] == "256"
     assert llama[llama.index("-c") + 1] == str(tokens) and llama[llama.index("-np") + 1] == "10"
+
+
+def test_contention_settings_export_the_waits_they_name() -> None:
+    assert wait_env("auto") == {} and wait_env("2") == {}
+    assert wait_env("auto-passive") == {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+    assert wait_env("auto-spin") == {"GOMP_SPINCOUNT": "300000"}
+    assert wait_env("auto-spin1000") == {"GOMP_SPINCOUNT": "1000"}

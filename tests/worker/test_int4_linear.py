@@ -76,6 +76,24 @@ def test_both_paths_compute_the_linear_of_the_gguf_values(qtype: GGMLQuantizatio
         if max_int4_rows < rows and dense_dtype == torch.float32:
             torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-5)
 
+@pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
+def test_a_dense_copy_computes_exactly_what_dequantizing_per_step_does(dense_dtype: torch.dtype) -> None:
+    raw, _ = blocks(GGMLQuantizationType.Q4_1, 192, 576, seed=7)
+    weight = pack(split_blocks(GGMLQuantizationType.Q4_1, raw, (192, 576)))
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(7))
+    per_step = Int4CpuLinear(TorchLinear(), Int4Plan(8, dense_dtype, "test"))
+    copying = Int4CpuLinear(TorchLinear(), Int4Plan(8, dense_dtype, "test", dense_copy=True))
+    copied = copying.with_dense_copy(weight)
+    assert per_step.with_dense_copy(weight) is weight and weight.dense is None
+    assert copied.dense is not None and copied.dense.dtype == dense_dtype and copied.nbytes == weight.nbytes
+    assert torch.equal(copying(x, copied), per_step(x, weight))  # above 8 rows: the copy's GEMM
+    assert torch.equal(copying(x[:8], copied), per_step(x[:8], weight))  # up to 8: int4, the copy unread
+    # A plan swapped to another dense dtype (as the accuracy tests do) dequantizes instead of reading it.
+    other = torch.float32 if dense_dtype == torch.bfloat16 else torch.bfloat16
+    copying.plan = per_step.plan = Int4Plan(8, other, "test")
+    assert torch.equal(copying(x, copied), per_step(x, weight))
+
+
 def test_dense_weights_pass_through_to_the_wrapped_kernel() -> None:
     kernel = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.bfloat16, "test"))
     w, x = torch.randn(24, 40), torch.randn(2, 40)
@@ -86,3 +104,12 @@ def test_start_up_plan_is_measured_and_explained() -> None:
     plan = measure_int4_plan((128, 256), bf16_fast=True)
     assert plan.max_int4_rows >= 0 and plan.dense_dtype in (torch.float32, torch.bfloat16)
     assert "1: int4" in plan.reason  # every probe's timings are in the logged reason
+
+
+def test_the_plan_keeps_a_dense_copy_only_where_it_fits() -> None:
+    fits = measure_int4_plan((128, 256), bf16_fast=True, copy_params=10 * 128 * 256, available_bytes=1 << 34)
+    assert " copy " in fits.reason  # the copy was timed at every probe size
+    assert fits.dense_copy == ("a bfloat16 copy above" in fits.reason or "a float32 copy above" in fits.reason)
+    tight = measure_int4_plan((128, 256), bf16_fast=True, copy_params=10 * 128 * 256, available_bytes=1 << 20)
+    assert not tight.dense_copy and " copy " not in tight.reason
+    assert tight.max_int4_rows == 0 or "would not fit" in tight.reason

@@ -2,11 +2,13 @@
 
 Decode is bound by the bytes of weights a step reads, and torch's CPU int4 kernel
 (``_weight_int4pack_mm_for_cpu``, bfloat16 activations) reads 0.625 bytes a parameter (4 bits, a
-bf16 scale and zero per 32) against float32's 4; but it dequantizes per row, so from some tens of
-rows a dense GEMM on the weight dequantized once for the step (bfloat16 where the CPU has native
-bf16, else float32) is faster. Where that crossover lies differs by CPU, so ``measure_int4_plan``
-times both at start-up on the model's widest projection and ``Int4CpuLinear`` uses the plan; the
-choice is logged.
+bf16 scale and zero per 32) against float32's 4; but it dequantizes per row, so from some rows on
+a dense GEMM (bfloat16 where the CPU has native bf16, else float32) is faster. Its weight is
+either dequantized per step and layer, which costs the GEMM of a hundred-odd rows, or kept as a
+dense copy made at load (where the copy fits in ``DENSE_COPY_RAM_SHARE`` of the RAM), which makes
+a chunk of a few dozen prompt tokens cost what it costs in an unchunked prefill. Where the
+crossovers lie differs by CPU, so ``measure_int4_plan`` times the kernels at start-up on the
+model's widest projection and ``Int4CpuLinear`` uses the plan; the choice is logged.
 
 Only the projections are int4. Dense weights (the embeddings and LM head, 4-bit tensors whose
 rows do not fill the kernel's 64-row tiles) go through the dense kernel this wraps.
@@ -16,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import psutil
 import torch
 import torch.nn.functional as F
 from evenflow.worker.models.linear import Linear
@@ -27,11 +30,17 @@ from evenflow.worker.models.row_tiles import in_row_tiles
 log = logging.getLogger("evenflow.worker.int4")
 
 # Row counts the start-up measurement tries (decode batches up to chunked prefills).
-_PROBE_ROWS = (1, 4, 16, 32, 64, 128, 256)
+_PROBE_ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
 # The overload itself: calling it skips the overload resolution of torch.ops.aten.<name>(...). A torch
 # without the kernel fails layout_matches(), so no Int4CpuLinear is built there.
 _INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
 _TRIALS = 5  # min over interleaved trials: the machine may be shared, a min is the stable figure
+# The 4-bit weights are what lets a model fit: a dense copy for many-row steps must not be what makes
+# it not fit (the KV cache, sized after the weights, takes its share of what is left).
+DENSE_COPY_RAM_SHARE = 0.25
+# The copies a probe cycles through add up to this, so each GEMM reads its weight from memory, as a
+# step does, not from a cache the previous trial filled.
+_COPY_PROBE_BYTES = 96 << 20
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,7 @@ class Int4Plan:
     max_int4_rows: int  # 0: the int4 kernel never won, weights should be dequantized at load
     dense_dtype: torch.dtype
     reason: str
+    dense_copy: bool = False  # many-row steps read a dense copy made at load instead of dequantizing
 
 
 class Int4CpuLinear:
@@ -72,10 +82,19 @@ class Int4CpuLinear:
             else:
                 y = _INT4_MM(x.to(torch.bfloat16), weight.packed, GROUP, weight.scale_zeros).to(x.dtype)
         else:
-            dense = weight.dequantize(self._scratch_for(weight))
+            dense = weight.dense
+            if dense is None or dense.dtype != self.plan.dense_dtype:
+                dense = weight.dequantize(self._scratch_for(weight))
             # oneDNN (bfloat16) keeps a primitive per row count: bounded by row_tiles.
             y = in_row_tiles(lambda rows: F.linear(rows, dense), x.to(self.plan.dense_dtype)).to(x.dtype)
         return y if bias is None else y + bias
+
+    def with_dense_copy(self, weight: Int4Weight) -> Int4Weight:
+        """``weight`` with its dense copy for many-row steps, when the plan keeps one."""
+        if not self.plan.dense_copy:
+            return weight
+        shape = (weight.out_features, weight.in_features)
+        return replace(weight, dense=weight.dequantize(torch.empty(shape, dtype=self.plan.dense_dtype)))
 
     def _scratch_for(self, weight: Int4Weight) -> torch.Tensor:
         key = (weight.out_features, weight.in_features, self.plan.dense_dtype)
@@ -120,12 +139,16 @@ def time_min(fns: list, trials: int = _TRIALS) -> list[float]:
     return best
 
 
-def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool) -> Int4Plan:
-    """Time int4 against the dense path on one projection of ``shape`` (out, in) at every probe size.
+def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int = 0,
+                      available_bytes: int | None = None) -> Int4Plan:
+    """Time int4 against the dense paths on one projection of ``shape`` (out, in) at every probe size.
 
-    The dense path for many rows is bfloat16 where ``bf16_fast`` (native bf16) and measured faster
-    than float32 at the largest probe, else float32; its cost includes dequantizing the weight once,
-    as a step pays that once per layer.
+    The dense GEMM for many rows is bfloat16 where ``bf16_fast`` (native bf16) and measured faster
+    than float32 at the largest probe, else float32. Its weight is dequantized per step (its cost
+    included: a step pays it once per layer) or, when a dense copy of the ``copy_params`` projection
+    parameters fits in ``DENSE_COPY_RAM_SHARE`` of ``available_bytes`` (the RAM available now when
+    None), read from that copy, timed from memory; the copy is kept where it beats dequantizing at
+    every probe size int4 does not win.
     """
     if not layout_matches():
         return Int4Plan(0, torch.float32, "this torch's int4 packing is not the layout evenflow reads")
@@ -141,42 +164,55 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool) -> Int4Plan:
                           + [lambda dtype=dtype: weight.dequantize(dense[dtype]) for dtype in dtypes])
         dequant_s = dict(zip(dtypes, costs[len(dtypes):]))
         dense_dtype = min(dtypes, key=lambda dtype: costs[dtypes.index(dtype)] + dequant_s[dtype])
-        max_rows, lines = 0, []
+        available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+        copy_bytes = copy_params * dense_dtype.itemsize
+        copy_fits = 0 < copy_bytes <= DENSE_COPY_RAM_SHARE * available
+        copies = [dense[dense_dtype].clone() for _ in range(-(-_COPY_PROBE_BYTES // (n * k * dense_dtype.itemsize)))
+                  ] if copy_fits else []
+        turn = [0]
+
+        def from_copy(x: torch.Tensor) -> torch.Tensor:
+            turn[0] = (turn[0] + 1) % len(copies)
+            return F.linear(x, copies[turn[0]])
+
+        probes: list[tuple[int, float, float, float]] = []  # rows, int4, dequantized, copy (s)
         for rows in _PROBE_ROWS:
             x = big[:rows]
-            int4_s, matmul_s, f32_s = time_min([
+            xd = x.to(dense_dtype)
+            int4_s, matmul_s, copy_s = time_min([
                 lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), weight.packed, GROUP,
                                                                    weight.scale_zeros),
-                lambda: F.linear(x.to(dense_dtype), dense[dense_dtype]),
-                lambda: F.linear(x, dense[torch.float32]),  # float32 weights kept: what int4 must beat
+                lambda: F.linear(xd, dense[dense_dtype]),
+                (lambda: from_copy(xd)) if copies else (lambda: None),
             ])
-            dense_s = dequant_s[dense_dtype] + matmul_s
-            lines.append(f"{rows}: int4 {int4_s * 1e3:.3f} / dequant+{str(dense_dtype)[6:]} {dense_s * 1e3:.3f} / "
-                         f"float32 {f32_s * 1e3:.3f} ms")
-            if int4_s < dense_s and (rows > 1 or int4_s < f32_s):
-                max_rows = rows
-            elif rows == 1:
-                break
-    detail = "; ".join(lines)
-    if max_rows == 0:
+            probes.append((rows, int4_s, dequant_s[dense_dtype] + matmul_s, copy_s if copies else float("inf")))
+        f32_one = time_min([lambda: F.linear(big[:1], dense[torch.float32])])[0]  # float32 weights kept
+    name = str(dense_dtype)[6:]
+    detail = "; ".join(f"{rows}: int4 {i * 1e3:.3f} / dequant+{name} {d * 1e3:.3f}"
+                       + (f" / {name} copy {c * 1e3:.3f}" if copies else "") + " ms" for rows, i, d, c in probes)
+    if probes[0][1] >= min(f32_one, probes[0][2]):
         return Int4Plan(0, dense_dtype, f"the int4 kernel was slower than float32 at one row ({detail})")
-    return Int4Plan(max_rows, dense_dtype,
-                    f"int4 up to {max_rows} rows, dequantized {str(dense_dtype)[6:]} above, on {n}x{k} ({detail})")
+    use_copy = bool(copies) and all(c < d for _, i, d, c in probes if i >= c)
+    max_rows = max(rows for rows, i, d, c in probes if i < (c if use_copy else d) or rows == 1)
+    many = (f"a {name} copy above ({copy_bytes / 2**30:.2f} GiB)" if use_copy
+            else f"dequantized {name} above" + ("" if copy_fits or not copy_params else
+                                                f" (a {copy_bytes / 2**30:.2f} GiB copy would not fit)"))
+    return Int4Plan(max_rows, dense_dtype, f"int4 up to {max_rows} rows, {many}, on {n}x{k} ({detail})", use_copy)
 
 
-_PLANS: dict[tuple[tuple[int, int], bool], Int4Plan] = {}
+_PLANS: dict[tuple[tuple[int, int], bool, int], Int4Plan] = {}
 
 
-def int4_plan(shape: tuple[int, int], bf16_fast: bool) -> Int4Plan:
+def int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int = 0) -> Int4Plan:
     """``measure_int4_plan`` once per process and shape, logged."""
-    key = (shape, bf16_fast)
+    key = (shape, bf16_fast, copy_params)
     if key not in _PLANS:
         t0 = time.perf_counter()
         # On one thread: the ratios are what decide, and one thread is what a shared machine disturbs least.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            _PLANS[key] = plan = measure_int4_plan(shape, bf16_fast)
+            _PLANS[key] = plan = measure_int4_plan(shape, bf16_fast, copy_params)
         finally:
             torch.set_num_threads(threads)
         log.info("int4 linear plan (measured in %.2f s): %s", time.perf_counter() - t0, plan.reason)

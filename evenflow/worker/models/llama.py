@@ -210,9 +210,9 @@ class LlamaModel(nn.Module):
         does not double; the tied embedding stays, since the embedding lookup reads it."""
         if self._int4_parts:
             # The plan is measured on the widest projection kept 4-bit, the one that costs a step most.
-            shape = max((tuple(p.shape) for n, p in self.named_parameters() if n in self._int4_parts),
-                        key=lambda s: s[0] * s[1])
-            plan = int4_plan(shape, cpu_has_fast_path(torch.bfloat16))
+            int4 = [p for n, p in self.named_parameters() if n in self._int4_parts]
+            shape = max((tuple(p.shape) for p in int4), key=lambda s: s[0] * s[1])
+            plan = int4_plan(shape, cpu_has_fast_path(torch.bfloat16), sum(p.numel() for p in int4))
             if plan.max_int4_rows == 0 and not self.int4_required:
                 log.warning("4-bit weights dequantized to %s: %s", self.dtype, plan.reason)
                 self._dense_from_int4_parts()
@@ -257,7 +257,8 @@ class LlamaModel(nn.Module):
                      filled, param.shape[0])
             self._copy_dense(param, parts)
             return self.linear.prepare(param)
-        return pack(concat_rows([parts[o] for o in sorted(parts)]))
+        assert isinstance(self.linear, Int4CpuLinear)  # 4-bit parts are kept only under its plan
+        return self.linear.with_dense_copy(pack(concat_rows([parts[o] for o in sorted(parts)])))
 
     def _dense_from_int4_parts(self) -> None:
         params = dict(self.named_parameters())

@@ -52,9 +52,11 @@ class Int4Weight:
     scale_zeros: torch.Tensor  # bfloat16 [in_features / 32, out_features, 2]
     out_features: int
     in_features: int
+    dense: torch.Tensor | None = None  # the same values dequantized once, for many-row steps (the plan's)
 
     @property
     def nbytes(self) -> int:
+        """The bytes a step on the int4 kernel reads (a dense copy is read only by many-row steps)."""
         return self.packed.nbytes + self.scale_zeros.nbytes
 
     def dequantize(self, out: torch.Tensor) -> torch.Tensor:

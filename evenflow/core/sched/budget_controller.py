@@ -64,9 +64,8 @@ TRUST_GROWTH = 2.0
 TRUSTED_ERROR = 1.25  # measured / predicted of a step whose chunk the model is trusted with
 GAPS_OVER_TARGET = 0.01  # the target is a p99: the share of the streams' gaps that may run over it
 # The aim plans for three quarters of that share: the window's quantile is an estimate and the
-# machine's noise drifts. Served on the real model's 4-bit weights, the streams' p99 over the target
-# was 0.88-0.92x at half the share, 0.86-0.99x at three quarters (long TTFT 1.40-1.58x the fixed
-# budget's, against 1.73-2.41x at half), 0.89-1.12x at the full share (1.07-1.23x on a busy machine).
+# machine's noise drifts. At the full share served p99s ran up to 1.12-1.23x the target; at half the
+# aim sat at 0.55-0.65 of it and long prompts paid for the margin (docs/results/steadiness.md).
 AIM_SHARE_MARGIN = 0.75
 MAX_OVER_SHARE = 0.25  # of the prefill-carrying steps, however few of the gaps they are
 AIM_WINDOW = 256  # prefill-carrying steps whose prediction errors set the aim

@@ -179,13 +179,12 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
         for rows in _PROBE_ROWS:
             x = big[:rows]
             xd = x.to(dense_dtype)
-            int4_s, matmul_s, copy_s = time_min([
+            int4_s, matmul_s, *copy_s = time_min([
                 lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), weight.packed, GROUP,
                                                                    weight.scale_zeros),
                 lambda: F.linear(xd, dense[dense_dtype]),
-                (lambda: from_copy(xd)) if copies else (lambda: None),
-            ])
-            probes.append((rows, int4_s, dequant_s[dense_dtype] + matmul_s, copy_s if copies else float("inf")))
+            ] + ([lambda: from_copy(xd)] if copies else []))
+            probes.append((rows, int4_s, dequant_s[dense_dtype] + matmul_s, copy_s[0] if copies else float("inf")))
         f32_one = time_min([lambda: F.linear(big[:1], dense[torch.float32])])[0]  # float32 weights kept
     name = str(dense_dtype)[6:]
     detail = "; ".join(f"{rows}: int4 {i * 1e3:.3f} / dequant+{name} {d * 1e3:.3f}"

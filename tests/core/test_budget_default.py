@@ -221,6 +221,44 @@ def test_an_allowance_is_sized_by_the_model_that_predicts_the_step() -> None:
     assert allowance > 16 and abs(allowance - largest) <= 1, (allowance, largest)
 
 
+def test_a_chunk_is_never_priced_below_what_prompt_tokens_measured() -> None:
+    """A fit that prices prompt tokens at nothing (served, tiny model: 12-14% of the prefill steps were
+    predicted at or under their decodes alone, and 1,000-1,500-token chunks so sized took 114-184 ms
+    against a 50 ms target) sizes the chunk by what the last prefill steps measured instead."""
+    from evenflow.core.sched.budget_controller import (
+        AIM_MIN_SAMPLES, MEASURED_COST_SHARE, MIN_OBSERVATIONS, BudgetController,
+    )
+    from evenflow.core.sched.prefill_gate import RunningSurvey
+
+    controller = BudgetController(target_s=0.050, max_tokens=2048, max_model_len=4096, max_requests=64)
+    controller.model.num_observations = MIN_OBSERVATIONS
+    controller.largest_prefill_seen = 2048  # trust out of the way
+    survey = RunningSurvey(decodes=8, decode_context=8 * 300, prefills=1, first_prefill_context=1000)
+    controller.model.theta = np.array([0.010, 0.0, 0.0, 0.0, 0.0])  # the decodes 10 ms, prompt tokens free
+    assert controller.prefill_allowance(survey) == 2048 - 8  # unmeasured: the fit's word (and the room)
+    for _ in range(AIM_MIN_SAMPLES):  # 64 prompt tokens beside the decodes took 6.4 ms more
+        controller.prompt_cost.observe(0.010 + 64 * 1e-4, 0.010, 64)
+    assert controller.prefill_allowance(survey) == int(0.040 / (MEASURED_COST_SHARE * 1e-4))
+
+
+def test_steps_stay_near_the_target_while_the_fit_prices_prompt_tokens_at_nothing() -> None:
+    machine = SyntheticMachine(fixed=5e-3, per_token=100e-6)
+    scheduler = scheduler_with_streams(target_itl_ms=50.0)
+    controller = scheduler.budget_controller
+    assert controller is not None
+    for i in range(200):
+        keep_a_long_prompt_waiting(scheduler, i)
+        step(scheduler, machine.step_seconds)
+    controller.largest_prefill_seen = 2048
+    worst = 0.0
+    for i in range(200, 240):
+        keep_a_long_prompt_waiting(scheduler, i)
+        controller.model.theta = np.array([0.010, 0.0, 0.0, 0.0, 0.0])  # forced again: the fit learns each step
+        output, seconds = step(scheduler, machine.step_seconds)
+        worst = max(worst, seconds)
+    assert 0.030 < worst <= 0.050 / 0.8  # unmeasured, the fit's word gave 2,040 tokens: ~210 ms
+
+
 def test_the_target_and_budget_are_logged_every_interval(monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     import logging

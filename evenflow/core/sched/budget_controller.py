@@ -31,6 +31,9 @@ root, not a search.
   (Counting the chunks of steps with no decodes, which take the whole budget, let a fit that saw no
   price in prompt tokens hand 1,700 tokens to a step beside 8 streams: 330 ms against a 50 ms
   target, tiny model, served.)
+* Measured: a chunk is never priced below ``MEASURED_COST_SHARE`` of what prompt tokens beside
+  decodes cost in the last ``AIM_WINDOW`` prefill steps (``MeasuredPromptCost``), in its allowance and
+  in its step's prediction: a fit can price them at nothing while it predicts the steps it saw well.
 * Without a target given (``auto_target``), the target is derived from the decode step
   (``AutoTarget``); ``--max-num-batched-tokens`` is then the ceiling. The decode step is measured
   on decode-only steps; while none has run for ``DECODE_ONLY_STALE`` steps (prompts queued behind
@@ -54,7 +57,9 @@ from evenflow.core.sched.auto_target import AutoTarget
 from evenflow.core.sched.budget_trace import BudgetTrace, PlannedStep
 from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.sched.prefill_gate import PrefillGate, RunningSurvey
-from evenflow.core.sched.step_time_model import StepCosts, StepShape, StepTimeModel, shape_of_step
+from evenflow.core.sched.step_time_model import (
+    MeasuredPromptCost, StepCosts, StepShape, StepTimeModel, shape_of_step,
+)
 
 log = logging.getLogger("evenflow.core.sched.budget_controller")
 
@@ -76,6 +81,9 @@ AIM_MIN = 0.5  # of the target
 STALL_BOUND = 2.0  # of the target: the longest step planned
 PREFILL_MIN_SHARE = 0.2  # of a step's predicted time, for a prompt to prefill beside decodes
 PREFILL_SHARE_SMOOTHING = 0.02  # the share of decode-carrying steps that carry prefill: an average of ~50
+# The fit may price a prompt token down to this share of what the last prefill steps measured
+# (MeasuredPromptCost); below it the measured cost sizes the chunk and predicts its step.
+MEASURED_COST_SHARE = 0.8
 UNAIMED = ("share", "floor", "warm-up")  # allowances the aim did not size: their steps do not move it
 LOG_INTERVAL_S = 30.0
 BUDGET_LOG2_BUCKETS = 17  # budgets up to 2**16 tokens; bucket i counts budgets in (2**(i-1), 2**i]
@@ -119,6 +127,7 @@ class BudgetController:
         self.aim_s = self.target_s
         self.max_tokens = max_tokens
         self.model = StepTimeModel(max_tokens, max_model_len, max_requests)
+        self.prompt_cost = MeasuredPromptCost(AIM_WINDOW)
         self.largest_prefill_seen = 0  # the largest chunk beside decodes that kept the target
         self.prefill_step_share = 1.0  # of the decode-carrying steps, those that carried prefill
         self._errors = np.ones(AIM_WINDOW)  # measured / predicted, of the last aimed prefill steps (a ring)
@@ -154,10 +163,13 @@ class BudgetController:
             base_s = self._base_seconds(cost, survey)
             aim_s = min(self.aim_s, STALL_BOUND * self.target_s)
             if base_s < aim_s:
-                allowance, bound_by = self._largest_within(cost, survey, base_s, aim_s), "aim"
+                limit_s, bound_by = aim_s, "aim"
             else:  # the decodes alone take the aim: the prompt's share instead of a crawl at the floor
-                share_s = base_s / (1 - PREFILL_MIN_SHARE)  # over the stall bound too: it is past already
-                allowance, bound_by = self._largest_within(cost, survey, base_s, share_s), "share"
+                limit_s, bound_by = base_s / (1 - PREFILL_MIN_SHARE), "share"  # over the stall bound: past already
+            allowance = self._largest_within(cost, survey, base_s, limit_s)
+            floor_s = self._prompt_token_floor_s()
+            if floor_s > 0 and (limit_s - max(base_s, 0.0)) / floor_s < allowance:
+                allowance, bound_by = int((limit_s - max(base_s, 0.0)) / floor_s), "measured"
             trust = int(TRUST_GROWTH * self.largest_prefill_seen)
             if allowance > trust:
                 allowance, bound_by = trust, "trust"
@@ -181,6 +193,12 @@ class BudgetController:
         d, c = survey.decodes, survey.first_prefill_context
         return (cost.fixed + cost.per_token * d + cost.per_read * (survey.decode_context + d + c)
                 + cost.per_request * (d + max(survey.prefills, 1)))
+
+    def _prompt_token_floor_s(self) -> float:
+        """The least a prompt token beside decodes is priced at (0.0: too few steps measured)."""
+        if self.prompt_cost.num_steps < AIM_MIN_SAMPLES:
+            return 0.0
+        return MEASURED_COST_SHARE * self.prompt_cost.per_token_s()
 
     def _largest_within(self, cost: StepCosts, survey: RunningSurvey, base_s: float, seconds: float) -> int:
         """The largest P whose step (``base_s`` plus a chunk of P after the first prefill's context) is
@@ -216,7 +234,12 @@ class BudgetController:
         step_id = output.step_id
         self._planned.pop(step_id - 8, None)  # a step never sent (an engine shutting down) is not kept
         decodes_alone = shape_of_step(survey.decodes, survey.decode_context, [], drafts)
-        planned = _Planned(shape, self.model.predict(shape), survey.decodes > 0, gate.prefill_tokens, self.model.predict(decodes_alone), self._bound_by not in UNAIMED)
+        alone_s = self.model.predict(decodes_alone)
+        predicted_s = self.model.predict(shape)
+        if survey.decodes and gate.prefill_tokens:
+            predicted_s = max(predicted_s, max(alone_s, 0.0) + self._prompt_token_floor_s() * gate.prefill_tokens)
+        planned = _Planned(shape, predicted_s, survey.decodes > 0, gate.prefill_tokens, alone_s,
+                           self._bound_by not in UNAIMED)
         if self._pending_trace is not None:
             planned.trace, self._pending_trace = self._pending_trace, None
             planned.trace.step_id, planned.trace.prefill_tokens = step_id, gate.prefill_tokens
@@ -254,6 +277,8 @@ class BudgetController:
     def _follow(self, planned: _Planned, seconds: float) -> None:
         """Feed one decode-carrying step back: the aim (a prefill step), and the derived target."""
         self.prefill_step_share += PREFILL_SHARE_SMOOTHING * (planned.has_prefill - self.prefill_step_share)
+        if planned.has_prefill:
+            self.prompt_cost.observe(seconds, planned.decodes_alone_s, planned.prefill_tokens)
         if planned.has_prefill and planned.aimed and self.model.num_observations >= AIM_WARM_UP:
             self._errors[self._num_errors % AIM_WINDOW] = seconds / planned.predicted_s
             self._num_errors += 1

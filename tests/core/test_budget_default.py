@@ -237,7 +237,7 @@ def test_a_chunk_is_never_priced_below_what_prompt_tokens_measured() -> None:
     controller.model.theta = np.array([0.010, 0.0, 0.0, 0.0, 0.0])  # the decodes 10 ms, prompt tokens free
     assert controller.prefill_allowance(survey) == 2048 - 8  # unmeasured: the fit's word (and the room)
     for _ in range(AIM_MIN_SAMPLES):  # 64 prompt tokens beside the decodes took 6.4 ms more
-        controller.prompt_cost.observe(0.010 + 64 * 1e-4, 0.010, 64)
+        controller.prompt_cost.observe(0.010 + 64 * 1e-4, 0.010, 64, 1000)
     assert controller.prefill_allowance(survey) == int(0.040 / (MEASURED_COST_SHARE * 1e-4))
 
 

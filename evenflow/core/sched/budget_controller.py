@@ -32,8 +32,9 @@ root, not a search.
   price in prompt tokens hand 1,700 tokens to a step beside 8 streams: 330 ms against a 50 ms
   target, tiny model, served.)
 * Measured: a chunk is never priced below ``MEASURED_COST_SHARE`` of what prompt tokens beside
-  decodes cost in the last ``AIM_WINDOW`` prefill steps (``MeasuredPromptCost``), in its allowance and
-  in its step's prediction: a fit can price them at nothing while it predicts the steps it saw well.
+  decodes cost in the last ``MEASURED_WINDOW`` prefill steps whose chunk followed a context of the
+  same power of two (``MeasuredPromptCost``), in its allowance and in its step's prediction: a fit
+  can price them at nothing while it predicts the steps it saw well.
 * Without a target given (``auto_target``), the target is derived from the decode step
   (``AutoTarget``); ``--max-num-batched-tokens`` is then the ceiling. The decode step is measured
   on decode-only steps; while none has run for ``DECODE_ONLY_STALE`` steps (prompts queued behind
@@ -84,6 +85,7 @@ PREFILL_SHARE_SMOOTHING = 0.02  # the share of decode-carrying steps that carry 
 # The fit may price a prompt token down to this share of what the last prefill steps measured
 # (MeasuredPromptCost); below it the measured cost sizes the chunk and predicts its step.
 MEASURED_COST_SHARE = 0.8
+MEASURED_WINDOW = 64  # prefill steps a context bucket remembers
 UNAIMED = ("share", "floor", "warm-up")  # allowances the aim did not size: their steps do not move it
 LOG_INTERVAL_S = 30.0
 BUDGET_LOG2_BUCKETS = 17  # budgets up to 2**16 tokens; bucket i counts budgets in (2**(i-1), 2**i]
@@ -110,6 +112,7 @@ class _Planned:
     prefill_tokens: int = 0
     decodes_alone_s: float = 0.0  # the model's prediction of the step without its prompt chunks
     aimed: bool = False  # its allowance was sized to the aim (not forced by the share or the floor)
+    prefill_context: int = 0  # computed tokens before its first prompt chunk
     trace: PlannedStep | None = None
 
     @property
@@ -127,7 +130,7 @@ class BudgetController:
         self.aim_s = self.target_s
         self.max_tokens = max_tokens
         self.model = StepTimeModel(max_tokens, max_model_len, max_requests)
-        self.prompt_cost = MeasuredPromptCost(AIM_WINDOW)
+        self.prompt_cost = MeasuredPromptCost(MEASURED_WINDOW, max_model_len)
         self.largest_prefill_seen = 0  # the largest chunk beside decodes that kept the target
         self.prefill_step_share = 1.0  # of the decode-carrying steps, those that carried prefill
         self._errors = np.ones(AIM_WINDOW)  # measured / predicted, of the last aimed prefill steps (a ring)
@@ -167,7 +170,7 @@ class BudgetController:
             else:  # the decodes alone take the aim: the prompt's share instead of a crawl at the floor
                 limit_s, bound_by = base_s / (1 - PREFILL_MIN_SHARE), "share"  # over the stall bound: past already
             allowance = self._largest_within(cost, survey, base_s, limit_s)
-            floor_s = self._prompt_token_floor_s()
+            floor_s = self._prompt_token_floor_s(survey.first_prefill_context)
             if floor_s > 0 and (limit_s - max(base_s, 0.0)) / floor_s < allowance:
                 allowance, bound_by = int((limit_s - max(base_s, 0.0)) / floor_s), "measured"
             trust = int(TRUST_GROWTH * self.largest_prefill_seen)
@@ -194,11 +197,12 @@ class BudgetController:
         return (cost.fixed + cost.per_token * d + cost.per_read * (survey.decode_context + d + c)
                 + cost.per_request * (d + max(survey.prefills, 1)))
 
-    def _prompt_token_floor_s(self) -> float:
-        """The least a prompt token beside decodes is priced at (0.0: too few steps measured)."""
-        if self.prompt_cost.num_steps < AIM_MIN_SAMPLES:
+    def _prompt_token_floor_s(self, context: int) -> float:
+        """The least a prompt token beside decodes after ``context`` is priced at (0.0: too few
+        steps measured there)."""
+        if self.prompt_cost.num_steps(context) < AIM_MIN_SAMPLES:
             return 0.0
-        return MEASURED_COST_SHARE * self.prompt_cost.per_token_s()
+        return MEASURED_COST_SHARE * self.prompt_cost.per_token_s(context)
 
     def _largest_within(self, cost: StepCosts, survey: RunningSurvey, base_s: float, seconds: float) -> int:
         """The largest P whose step (``base_s`` plus a chunk of P after the first prefill's context) is
@@ -236,10 +240,11 @@ class BudgetController:
         decodes_alone = shape_of_step(survey.decodes, survey.decode_context, [], drafts)
         alone_s = self.model.predict(decodes_alone)
         predicted_s = self.model.predict(shape)
+        context = gate.chunks[0][1] if gate.chunks else 0
         if survey.decodes and gate.prefill_tokens:
-            predicted_s = max(predicted_s, max(alone_s, 0.0) + self._prompt_token_floor_s() * gate.prefill_tokens)
+            predicted_s = max(predicted_s, max(alone_s, 0.0) + self._prompt_token_floor_s(context) * gate.prefill_tokens)
         planned = _Planned(shape, predicted_s, survey.decodes > 0, gate.prefill_tokens, alone_s,
-                           self._bound_by not in UNAIMED)
+                           self._bound_by not in UNAIMED, context)
         if self._pending_trace is not None:
             planned.trace, self._pending_trace = self._pending_trace, None
             planned.trace.step_id, planned.trace.prefill_tokens = step_id, gate.prefill_tokens
@@ -278,7 +283,7 @@ class BudgetController:
         """Feed one decode-carrying step back: the aim (a prefill step), and the derived target."""
         self.prefill_step_share += PREFILL_SHARE_SMOOTHING * (planned.has_prefill - self.prefill_step_share)
         if planned.has_prefill:
-            self.prompt_cost.observe(seconds, planned.decodes_alone_s, planned.prefill_tokens)
+            self.prompt_cost.observe(seconds, planned.decodes_alone_s, planned.prefill_tokens, planned.prefill_context)
         if planned.has_prefill and planned.aimed and self.model.num_observations >= AIM_WARM_UP:
             self._errors[self._num_errors % AIM_WINDOW] = seconds / planned.predicted_s
             self._num_errors += 1

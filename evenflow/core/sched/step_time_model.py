@@ -120,9 +120,11 @@ class StepTimeModel:
 
 
 class MeasuredPromptCost:
-    """What a prompt token beside decodes has cost, as measured: the time of each prefill step over
-    the model's prediction of its decodes alone, per prompt token, summed over the last ``window``
-    such steps (token-weighted, so a 16-token chunk's noise weighs little).
+    """What a prompt token beside decodes has cost, as measured, by the context its chunk follows:
+    the time of each prefill step over the model's prediction of its decodes alone, per prompt
+    token, summed over the last ``window`` such steps whose chunk came after a context of the same
+    power of two (token-weighted, so a 16-token chunk's noise weighs little; a late chunk attends
+    to more keys and costs more a token than an early one).
 
     A check on the fit, not a second model: the five costs are fitted over steps that are mostly
     alike, so a fit can price prompt tokens near nothing, or below, while it predicts the steps it
@@ -130,20 +132,30 @@ class MeasuredPromptCost:
     under their decodes alone, and chunks of 1,000-1,500 tokens so sized took 114-184 ms against a
     50 ms target: every one of the runs' worst gaps."""
 
-    def __init__(self, window: int) -> None:
-        self._seconds = np.zeros(window)
-        self._tokens = np.zeros(window)
-        self.num_steps = 0
+    def __init__(self, window: int, max_context: int) -> None:
+        buckets = max_context.bit_length() + 1
+        self._seconds = np.zeros((buckets, window))
+        self._tokens = np.zeros((buckets, window))
+        self._counts = np.zeros(buckets, dtype=np.int64)
 
-    def observe(self, step_s: float, decodes_alone_s: float, prompt_tokens: int) -> None:
+    def observe(self, step_s: float, decodes_alone_s: float, prompt_tokens: int, context: int) -> None:
         """One step: its measured time, the model's prediction of its decodes alone (clipped to the
-        step: a fit below zero puts the whole step on the prompt, the conservative side)."""
-        i = self.num_steps % len(self._tokens)
-        self._seconds[i] = step_s - min(max(decodes_alone_s, 0.0), step_s)
-        self._tokens[i] = prompt_tokens
-        self.num_steps += 1
+        step: a fit below zero puts the whole step on the prompt, the conservative side), and the
+        context its (first) chunk followed."""
+        b = self._bucket(context)
+        i = self._counts[b] % self._tokens.shape[1]
+        self._seconds[b, i] = step_s - min(max(decodes_alone_s, 0.0), step_s)
+        self._tokens[b, i] = prompt_tokens
+        self._counts[b] += 1
 
-    def per_token_s(self) -> float:
-        """Seconds a prompt token, over the window (0.0: none measured)."""
-        tokens = float(self._tokens.sum())
-        return float(self._seconds.sum()) / tokens if tokens > 0 else 0.0
+    def num_steps(self, context: int) -> int:
+        return int(self._counts[self._bucket(context)])
+
+    def per_token_s(self, context: int) -> float:
+        """Seconds a prompt token after ``context`` (0.0: none measured there)."""
+        b = self._bucket(context)
+        tokens = float(self._tokens[b].sum())
+        return float(self._seconds[b].sum()) / tokens if tokens > 0 else 0.0
+
+    def _bucket(self, context: int) -> int:
+        return min(max(int(context), 0).bit_length(), len(self._counts) - 1)

@@ -171,8 +171,9 @@ class BudgetController:
                 limit_s, bound_by = base_s / (1 - PREFILL_MIN_SHARE), "share"  # over the stall bound: past already
             allowance = self._largest_within(cost, survey, base_s, limit_s)
             floor_s = self._prompt_token_floor_s(survey.first_prefill_context)
-            if floor_s > 0 and (limit_s - max(base_s, 0.0)) / floor_s < allowance:
-                allowance, bound_by = int((limit_s - max(base_s, 0.0)) / floor_s), "measured"
+            measured = int((limit_s - max(base_s, 0.0)) / floor_s) if floor_s > 0 else allowance
+            if measured < allowance:
+                allowance, bound_by = measured, "measured"
             trust = int(TRUST_GROWTH * self.largest_prefill_seen)
             if allowance > trust:
                 allowance, bound_by = trust, "trust"
@@ -242,7 +243,8 @@ class BudgetController:
         predicted_s = self.model.predict(shape)
         context = gate.chunks[0][1] if gate.chunks else 0
         if survey.decodes and gate.prefill_tokens:
-            predicted_s = max(predicted_s, max(alone_s, 0.0) + self._prompt_token_floor_s(context) * gate.prefill_tokens)
+            floor_s = self._prompt_token_floor_s(context)
+            predicted_s = max(predicted_s, max(alone_s, 0.0) + floor_s * gate.prefill_tokens)
         planned = _Planned(shape, predicted_s, survey.decodes > 0, gate.prefill_tokens, alone_s,
                            self._bound_by not in UNAIMED, context)
         if self._pending_trace is not None:
@@ -283,7 +285,8 @@ class BudgetController:
         """Feed one decode-carrying step back: the aim (a prefill step), and the derived target."""
         self.prefill_step_share += PREFILL_SHARE_SMOOTHING * (planned.has_prefill - self.prefill_step_share)
         if planned.has_prefill:
-            self.prompt_cost.observe(seconds, planned.decodes_alone_s, planned.prefill_tokens, planned.prefill_context)
+            self.prompt_cost.observe(seconds, planned.decodes_alone_s, planned.prefill_tokens,
+                                     planned.prefill_context)
         if planned.has_prefill and planned.aimed and self.model.num_observations >= AIM_WARM_UP:
             self._errors[self._num_errors % AIM_WINDOW] = seconds / planned.predicted_s
             self._num_errors += 1

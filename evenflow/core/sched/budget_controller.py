@@ -81,7 +81,10 @@ DECODE_ONLY_STALE = 64  # decode-carrying steps with no decode-only one before p
 AIM_MIN = 0.5  # of the target
 STALL_BOUND = 2.0  # of the target: the longest step planned
 PREFILL_MIN_SHARE = 0.2  # of a step's predicted time, for a prompt to prefill beside decodes
-PREFILL_SHARE_SMOOTHING = 0.02  # the share of decode-carrying steps that carry prefill: an average of ~50
+# The share of decode-carrying steps that carry prefill, averaged over the last ~1,000 of them (all of
+# them, until there are that many): the p99 is of all the gaps, so the share is the long run's. (Over
+# ~50 it rose to ~1 within each long prompt and the aim took the 99th percentile of the errors there.)
+PREFILL_SHARE_WINDOW = 1024
 # The fit may price a prompt token down to this share of what the last prefill steps measured
 # (MeasuredPromptCost); below it the measured cost sizes the chunk and predicts its step.
 MEASURED_COST_SHARE = 0.8
@@ -133,6 +136,7 @@ class BudgetController:
         self.prompt_cost = MeasuredPromptCost(MEASURED_WINDOW, max_model_len)
         self.largest_prefill_seen = 0  # the largest chunk beside decodes that kept the target
         self.prefill_step_share = 1.0  # of the decode-carrying steps, those that carried prefill
+        self._num_followed = 0  # decode-carrying steps fed back
         self._errors = np.ones(AIM_WINDOW)  # measured / predicted, of the last aimed prefill steps (a ring)
         self._num_errors = 0
         self._since_decode_only = DECODE_ONLY_STALE  # decode-carrying steps since the last decode-only one
@@ -283,7 +287,9 @@ class BudgetController:
 
     def _follow(self, planned: _Planned, seconds: float) -> None:
         """Feed one decode-carrying step back: the aim (a prefill step), and the derived target."""
-        self.prefill_step_share += PREFILL_SHARE_SMOOTHING * (planned.has_prefill - self.prefill_step_share)
+        self._num_followed += 1
+        smoothing = 1 / min(self._num_followed, PREFILL_SHARE_WINDOW)
+        self.prefill_step_share += smoothing * (planned.has_prefill - self.prefill_step_share)
         if planned.has_prefill:
             self.prompt_cost.observe(seconds, planned.decodes_alone_s, planned.prefill_tokens,
                                      planned.prefill_context)

@@ -156,6 +156,8 @@ class Scheduler(RequestLedger):
                     skipped.append(waiting.pop())  # shorter prompts behind it may go
                     continue
                 break
+            if self.running and not self._pool_holds_prompt(request, computed):
+                break  # it would take the running requests' blocks chunk by chunk: admit nobody behind it
             if kv.allocate_slots(request, num_new, computed) is None:
                 break  # the pool is full: admit nobody behind it either
             gate.commit(request, num_computed, num_new)
@@ -179,6 +181,15 @@ class Scheduler(RequestLedger):
             return False  # a token of an in-flight step is owed to it
         # Its adapter must be loaded, and may not be one more than max_loras among the running.
         return self.lora_slots is None or self.lora_slots.admits(request, self.running)
+
+    def _pool_holds_prompt(self, request: Request, computed: ComputedBlocks) -> bool:
+        """Whether the free blocks hold all of a waiting request's known tokens, not only its first
+        chunk: admitted on one chunk's blocks, a prompt took the rest from the running requests as
+        its chunks came, and they were preempted to recompute (Poisson load, real model, KV full:
+        21-26 preemptions with chunks of ~200 tokens against 5-6 with 2048-token steps, which
+        admit a prompt only on all its blocks)."""
+        needed = -(-request.num_tokens // self.config.block_size) - len(computed.blocks)
+        return needed <= self.kv_cache_manager.num_free_blocks
 
     def _computed_blocks(self, request: Request) -> ComputedBlocks:
         """The prefix a waiting request need not compute (it trusts only the cache).

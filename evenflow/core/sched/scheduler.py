@@ -2,7 +2,8 @@
 
 ``schedule()`` is three phases over one ``StepPlan``: the RUNNING requests, in order, each with as
 many of its remaining tokens as the budget allows (and its draft slots); then, only if nobody had to
-be preempted, the WAITING requests; then closing the step into a ``SchedulerOutput``. When the KV
+be preempted, the WAITING requests, each only when the free blocks hold all its known tokens; then
+closing the step into a ``SchedulerOutput``. When the KV
 cache cannot hold a chunk, the last RUNNING request (latest admitted under ``fcfs``, lowest
 priority under ``priority``) is preempted by recompute. Each phase has one hook method for what
 LoRA (``_ready_to_admit``), KV offload (``_computed_blocks``, ``_close_step``) and a draft model

@@ -122,6 +122,28 @@ def test_preemption_by_recompute_and_resumption_from_prefix_cache() -> None:
     assert resumed.num_scheduled_tokens["second"] == second.num_tokens - 1 - 12
 
 
+def test_a_chunked_prompt_waits_until_the_pool_holds_all_of_it() -> None:
+    # 16 blocks of 4 tokens. "running" holds 5 of them; "long" (48 tokens, 12 blocks) would fit its
+    # first 16-token chunk in the 11 free blocks but not its whole prompt: admitted, it would take
+    # the running request's blocks chunk by chunk and preempt it. It waits, and once the pool can
+    # hold all of it (or nothing runs) it is admitted.
+    scheduler = make_scheduler(num_kv_blocks=16, max_model_len=64, max_num_batched_tokens=16)
+    worker = FakeWorker(16, 4)
+    running = add(scheduler, "running", 16, max_tokens=8)
+    run_step(scheduler, worker)
+    run_step(scheduler, worker)  # a decode: 17 tokens, 5 blocks
+    long = add(scheduler, "long", 48, first_token=20)
+    steps = []
+    while running.status == RequestStatus.RUNNING:
+        steps.append(run_step(scheduler, worker))
+    assert all("long" not in step.num_scheduled_tokens for step in steps)
+    assert not any(step.preempted_req_ids for step in steps)
+    assert running.num_output_tokens == 8 and long.status == RequestStatus.WAITING
+    output = run_step(scheduler, worker)
+    assert output.num_scheduled_tokens == {"long": 16}
+    assert scheduler.get_stats().scheduler.num_preemptions == 0
+
+
 def test_stats_count_a_prompt_once_and_every_scheduled_token() -> None:
     # Preemption and resumption: the prefix cache counts each prompt once (vLLM), while
     # scheduled_tokens counts the recomputation the resumption costs.

@@ -5,14 +5,15 @@ the flag's misuses are refused."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
 import pytest
 import torch
 from evenflow.protocol import WorkerConfig
-from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan, int4_plan
-from evenflow.worker.models.linear import cpu_has_fast_path
+from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan
 from evenflow.worker.models.q4_blocks import Int4Weight
 from evenflow.worker.runner import ModelRunner
 
@@ -63,6 +64,26 @@ def test_unset_quantization_follows_the_dtype(written: dict[str, Path]) -> None:
     assert not explicit.model.int4_param_names()
     auto = ModelRunner(WorkerConfig(model=str(written["q4_1"]), dtype="auto", device="cpu", block_size=8,
                                     max_model_len=64, num_kv_blocks=16))
-    gate_up = (2 * auto.model.intermediate, auto.model_config.hidden_size)
-    faster = int4_plan(gate_up, cpu_has_fast_path(torch.bfloat16)).max_int4_rows > 0  # the plan it measured
-    assert bool(auto.model.int4_param_names()) == faster
+    plan = auto.model.int4_plan  # the plan it measured
+    assert plan is not None and bool(auto.model.int4_param_names()) == (plan.max_int4_rows > 0)
+
+
+def test_a_cpu_whose_int4_layout_is_unknown_dequantizes_or_refuses(written: dict[str, Path]) -> None:
+    """ATen's scalar int4 packing (a CPU with neither AVX2 nor AVX-512) is a layout evenflow does not
+    read: --dtype auto dequantizes the weights, --quantization gguf is refused at load, neither misreads."""
+    script = f"""
+import sys
+from evenflow.protocol import WorkerConfig
+from evenflow.worker.runner import ModelRunner
+cfg = dict(model={str(written["q4_1"])!r}, dtype="auto", device="cpu", block_size=8, max_model_len=64, num_kv_blocks=16)
+print("auto int4 params:", len(ModelRunner(WorkerConfig(**cfg)).model.int4_param_names()))
+try:
+    ModelRunner(WorkerConfig(**cfg, quantization="gguf"))
+except ValueError as exc:
+    print("refused:", exc)
+"""
+    env = {"ATEN_CPU_CAPABILITY": "default", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                         check=True).stdout
+    assert "auto int4 params: 0" in out
+    assert "refused: --quantization gguf keeps 4-bit weights, which this machine cannot" in out

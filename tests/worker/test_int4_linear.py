@@ -4,6 +4,10 @@ kernel's paths (int4 for few rows, dequantized dense for many) compute the linea
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -30,6 +34,35 @@ def blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> tupl
 
 def test_this_torch_packs_int4_in_the_layout_evenflow_reads() -> None:
     assert layout_matches()
+
+
+# Packs and unpacks a GGUF Q4_1 weight in a process whose ATen runs the named ISA's kernels.
+_UNPACK_UNDER_ISA = """
+import json, numpy as np, torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+from evenflow.worker.models.int4_linear import layout_matches
+from evenflow.worker.models.q4_blocks import pack, pack_tile_rows, split_blocks
+w = (np.random.default_rng(0).standard_normal((192, 576)) * 0.05).astype(np.float32)
+raw = quantize(w, T.Q4_1)
+ref = torch.from_numpy(dequantize(raw, T.Q4_1).reshape(w.shape).copy())
+ok = layout_matches()
+err = float((pack(split_blocks(T.Q4_1, raw, w.shape)).dequantize(torch.empty(w.shape)) - ref).abs().max()) if ok else None
+print(json.dumps({"rows": pack_tile_rows(), "layout": ok, "err": err, "bound": float(ref.abs().max()) * 2**-7}))
+"""
+
+
+@pytest.mark.parametrize("isa, tile_rows", [("avx512", 64), ("avx2", 32), ("default", None)])
+def test_every_isas_int4_layout_is_read_or_refused(isa: str, tile_rows: int | None) -> None:
+    """torch packs int4 in 64-row tiles on AVX-512 and 32-row ones on AVX2 (which one is the CPU's, not
+    the build's): each is read back to GGUF's values; the scalar layout is refused, not misread."""
+    env = {"ATEN_CPU_CAPABILITY": isa, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", _UNPACK_UNDER_ISA], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["rows"] == tile_rows and got["layout"] == (tile_rows is not None)
+    if tile_rows is not None:
+        assert got["err"] <= got["bound"]
 
 
 @pytest.mark.parametrize("qtype", Q4_TYPES)
@@ -111,5 +144,6 @@ def test_the_plan_keeps_a_dense_copy_only_where_it_fits() -> None:
     assert " copy " in fits.reason  # the copy was timed at every probe size
     assert fits.dense_copy == ("a bfloat16 copy above" in fits.reason or "a float32 copy above" in fits.reason)
     tight = measure_int4_plan((128, 256), bf16_fast=True, copy_params=10 * 128 * 256, available_bytes=1 << 20)
-    assert not tight.dense_copy and " copy " not in tight.reason
+    assert not tight.dense_copy
+    assert "float32 copy " not in tight.reason and "bfloat16 copy " not in tight.reason  # no copy was timed
     assert tight.max_int4_rows == 0 or "would not fit" in tight.reason

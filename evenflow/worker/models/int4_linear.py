@@ -24,7 +24,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 from evenflow.worker.models.linear import Linear
-from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack
+from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack, pack_tile_rows
 from evenflow.worker.models.row_tiles import in_row_tiles
 
 log = logging.getLogger("evenflow.worker.int4")
@@ -110,17 +110,17 @@ def int4_fits(out_features: int, in_features: int) -> bool:
 
 
 def layout_matches() -> bool:
-    """Whether this torch packs int4 in the tile layout ``Int4Weight.dequantize`` reads (checked once;
-    a torch that changes it keeps 4-bit weights off rather than computing wrong values)."""
+    """Whether this torch packs int4 in a tile layout ``Int4Weight.dequantize`` reads (its values,
+    scales and zeros included); a torch that changes it keeps 4-bit weights off rather than
+    computing wrong values."""
+    if pack_tile_rows() is None:
+        log.info("int4 kernel unavailable in this torch, or its packing is not a layout evenflow reads")
+        return False
     g = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (2 * PACK_TILE_ROWS, 2 * GROUP), dtype=torch.uint8, generator=g)
     scale = torch.rand(q.shape[0], 2, generator=g).bfloat16().float()
     zero = torch.rand(q.shape[0], 2, generator=g).bfloat16().float()
-    try:
-        w = pack(Q4Rows(q, scale, zero))
-    except (RuntimeError, AttributeError) as exc:
-        log.info("int4 kernel unavailable in this torch (%s)", exc)
-        return False
+    w = pack(Q4Rows(q, scale, zero))
     expect = (q.float().view(-1, 2, GROUP) - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
     got = w.dequantize(torch.empty(q.shape, dtype=torch.float32))
     return torch.allclose(got, expect.view_as(got), rtol=1e-6, atol=1e-6)
@@ -185,7 +185,10 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
                 lambda: F.linear(xd, dense[dense_dtype]),
             ] + ([lambda: from_copy(xd)] if copies else []))
             probes.append((rows, int4_s, dequant_s[dense_dtype] + matmul_s, copy_s[0] if copies else float("inf")))
-        f32_one = time_min([lambda: F.linear(big[:1], dense[torch.float32])])[0]  # float32 weights kept
+        # Float32 weights kept, as a step reads them: from memory, not from the cache one weight fills.
+        f32_copies = [dense[torch.float32].clone() for _ in range(-(-_COPY_PROBE_BYTES // (n * k * 4)))]
+        f32_one = min(time_min([lambda w=w: F.linear(big[:1], w) for w in f32_copies]))
+        del f32_copies
     name = str(dense_dtype)[6:]
     detail = "; ".join(f"{rows}: int4 {i * 1e3:.3f} / dequant+{name} {d * 1e3:.3f}"
                        + (f" / {name} copy {c * 1e3:.3f}" if copies else "") + " ms" for rows, i, d, c in probes)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from evenflow.worker.attention.base import AttentionBackend, KVCache
 from evenflow.worker.config_reader import ModelConfig
 from evenflow.worker.lora.pool import LoRAStep
-from evenflow.worker.models.int4_linear import Int4CpuLinear, int4_fits, int4_plan
+from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan, int4_fits, int4_plan, layout_matches
 from evenflow.worker.models.layers import RotaryTable, apply_rotary, rms_norm, rms_norm_heads, rms_norm_narrowing
 from evenflow.worker.models.lm_head import ScreenedHead
 from evenflow.worker.models.linear import (
@@ -134,6 +134,7 @@ class LlamaModel(nn.Module):
         # 4-bit rows the loader kept (param name -> row offset -> rows), packed by finish_loading.
         self._int4_parts: dict[str, dict[int, Q4Rows]] = {}
         self.int4_required = False  # --quantization gguf: 4-bit even where the measurement says it is slower
+        self.int4_plan: Int4Plan | None = None  # the start-up measurement's choice, where 4-bit parts were loaded
 
     # ---------------------------------------------------------------- loading
 
@@ -212,7 +213,9 @@ class LlamaModel(nn.Module):
             # The plan is measured on the widest projection kept 4-bit, the one that costs a step most.
             int4 = [p for n, p in self.named_parameters() if n in self._int4_parts]
             shape = max((tuple(p.shape) for p in int4), key=lambda s: s[0] * s[1])
-            plan = int4_plan(shape, cpu_has_fast_path(torch.bfloat16), sum(p.numel() for p in int4))
+            self.int4_plan = plan = int4_plan(shape, cpu_has_fast_path(torch.bfloat16), sum(p.numel() for p in int4))
+            if self.int4_required and not layout_matches():
+                raise ValueError(f"--quantization gguf keeps 4-bit weights, which this machine cannot: {plan.reason}")
             if plan.max_int4_rows == 0 and not self.int4_required:
                 log.warning("4-bit weights dequantized to %s: %s", self.dtype, plan.reason)
                 self._dense_from_int4_parts()

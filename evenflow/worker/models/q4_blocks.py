@@ -13,14 +13,19 @@ are taken as they are, nothing is requantized.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
 GROUP = 32  # values per GGUF block, and the int4 kernel's group size
-# Rows per tile of torch's CPU int4 layout; whole tiles are what ``Int4Weight.dequantize`` reads.
+# Rows an int4 weight is padded to a multiple of: the largest tile of torch's CPU int4 layouts.
 PACK_TILE_ROWS = 64
+# The tile heights torch's CPU int4 packing uses, by the vector ISA ATen dispatches to: 64 rows on
+# AVX-512, 32 on AVX2. In both, byte (tile, k, d) holds row tile*T + d (low nibble) and row
+# tile*T + T/2 + d (high nibble).
+TILE_ROWS_BY_ISA = (64, 32)
 BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
 INT4_TYPES = frozenset(BLOCK_BYTES)
 
@@ -62,12 +67,15 @@ class Int4Weight:
     def dequantize(self, out: torch.Tensor) -> torch.Tensor:
         """Write the weight's values [out_features, in_features] into ``out`` (its dtype) and return it.
 
-        Byte ``(tile, k, d)`` of the packed tiles holds row ``tile*64 + d`` (low nibble) and row
-        ``tile*64 + 32 + d`` (high nibble); ``out`` is reused across layers, so a step allocates nothing
-        the size of a weight."""
+        Byte ``(tile, k, d)`` of the packed tiles holds row ``tile*T + d`` (low nibble) and row
+        ``tile*T + T/2 + d`` (high nibble), T this CPU's tile height (``pack_tile_rows``); ``out`` is
+        reused across layers, so a step allocates nothing the size of a weight."""
         n, k = self.out_features, self.in_features
-        tiles = self.packed.view(n // PACK_TILE_ROWS, k, PACK_TILE_ROWS // 2)
-        halves = out.view(n // PACK_TILE_ROWS, 2, PACK_TILE_ROWS // 2, k)
+        rows = pack_tile_rows()
+        if rows is None:
+            raise RuntimeError("this torch's int4 packing is not a layout evenflow reads")
+        tiles = self.packed.view(n // rows, k, rows // 2)
+        halves = out.view(n // rows, 2, rows // 2, k)
         # Transposed as bytes first: a transposing copy that also converts the dtype is 2x slower.
         halves[:, 0].copy_((tiles & 15).transpose(1, 2).contiguous())
         halves[:, 1].copy_((tiles >> 4).transpose(1, 2).contiguous())
@@ -113,3 +121,23 @@ def pack(rows: Q4Rows) -> Int4Weight:
     scale_zeros = torch.stack((rows.scale.t(), rows.zero.t()), dim=-1).to(torch.bfloat16).contiguous()
     return Int4Weight(packed, scale_zeros, n, k)
 
+
+@cache
+def pack_tile_rows() -> int | None:
+    """The tile height of this process's int4 packing (None: no layout evenflow reads, or no kernel).
+
+    Found by packing a probe and unpacking it with each known height: which layout torch writes
+    depends on the CPU it runs on (and ``ATEN_CPU_CAPABILITY``), not on the torch build."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (2 * PACK_TILE_ROWS, 2 * GROUP), dtype=torch.int32, generator=g)
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    except (RuntimeError, AttributeError):
+        return None
+    n, k = q.shape
+    for rows in TILE_ROWS_BY_ISA:
+        tiles = packed.view(n // rows, k, rows // 2)
+        unpacked = torch.cat(((tiles & 15).transpose(1, 2), (tiles >> 4).transpose(1, 2)), dim=1)
+        if torch.equal(unpacked.reshape(n, k).to(torch.int32), q):
+            return rows
+    return None

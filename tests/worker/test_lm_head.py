@@ -1,7 +1,7 @@
 """The screened LM head (models/lm_head.py) against the float32 head it stands in for: the leading
 logits of every row are float32's, the rest within bfloat16's rounding; on argmax-only steps (the
-4-bit screen) the argmax is float32's; a real int4 model serves through it only where the CPU has
-native bfloat16, and through the 4-bit screen only on plain greedy steps."""
+4-bit screen) the argmax is float32's; a real int4 model serves through it, with the bfloat16 screen
+only where the CPU has native bfloat16, and through the 4-bit screen only on plain greedy steps."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from tests.gguf_files import write_gguf
 from evenflow.protocol import SamplingParams
 from tests.worker.harness import Job, greedy, make_runner, run_jobs
 
-needs_bf16 = pytest.mark.skipif(not (cpu_has_fast_path(torch.bfloat16) and ScreenedHead.works()),
-                                reason="no native bfloat16 on this CPU: the head stays float32")
+BF16_FAST = cpu_has_fast_path(torch.bfloat16) and ScreenedHead.works()
+needs_bf16 = pytest.mark.skipif(not BF16_FAST, reason="no native bfloat16 on this CPU: no bfloat16 screen")
+# Both kinds of head where this CPU has native bfloat16; the float32 one with a 4-bit screen elsewhere.
+HEAD_KINDS = [pytest.param(True, marks=needs_bf16, id="bf16-screen"), pytest.param(False, id="float32")]
 
 
 @needs_bf16
@@ -39,7 +41,14 @@ def test_leading_logits_are_float32_and_the_rest_within_bf16_rounding(rows: int)
     assert float((got.double() - reference).abs().max()) <= 2 * bf16_step
 
 
-@needs_bf16
+def test_without_a_bf16_screen_the_logits_are_float32s() -> None:
+    g = torch.Generator().manual_seed(0)
+    table, x = torch.randn(3000, 96, generator=g), torch.randn(5, 96, generator=g)
+    head = ScreenedHead(table, bf16_screen=False)
+    assert head.screen is None and torch.equal(head(x), torch.nn.functional.linear(x, table))
+    assert head.step_nbytes(5) == table.nbytes
+
+
 def test_int4_model_serves_the_screened_head_and_float32_keeps_the_dense_one(checkpoint_root: Path,
                                                                               tmp_path: Path) -> None:
     model = write_gguf(make_checkpoint(checkpoint_root, seed=3), tmp_path / "q4_1.gguf",
@@ -47,19 +56,20 @@ def test_int4_model_serves_the_screened_head_and_float32_keeps_the_dense_one(che
     int4 = make_runner(model, num_blocks=16, block_size=16, max_model_len=64, quantization="gguf").model
     dense = make_runner(model, num_blocks=16, block_size=16, max_model_len=64, quantization="none").model
     assert isinstance(int4._screened_head, ScreenedHead) and int4._head is None
+    assert (int4._screened_head.screen is not None) == BF16_FAST
     assert dense._screened_head is None and dense._head is not None
 
 
-@needs_bf16
+@pytest.mark.parametrize("bf16_screen", HEAD_KINDS)
 @pytest.mark.parametrize("rows", [1, 5, 130])
 @pytest.mark.parametrize("spread", [0.2, 1e-3])  # 1e-3: logits far closer than the 4-bit error, all suspects
-def test_the_greedy_screen_keeps_float32s_argmax_and_its_value(rows: int, spread: float) -> None:
+def test_the_greedy_screen_keeps_float32s_argmax_and_its_value(rows: int, spread: float, bf16_screen: bool) -> None:
     g = torch.Generator().manual_seed(rows)
     base = torch.randn(1, 96, generator=g) * 0.2
     table = base + torch.randn(3000, 96, generator=g) * spread  # 3000: not whole 64-row tiles
     x = torch.randn(rows, 96, generator=g)
     reference = x.double() @ table.double().t()
-    head = ScreenedHead(table)
+    head = ScreenedHead(table, bf16_screen)
     assert head.int4 is not None
     got = head(x, greedy=True)
     assert got.dtype == torch.float32 and got.shape == (rows, 3000)
@@ -79,7 +89,6 @@ class _Recorder:
         return self.head(x, greedy)
 
 
-@needs_bf16
 def test_only_plain_greedy_steps_take_the_greedy_screen(checkpoint_root: Path, tmp_path: Path) -> None:
     model = write_gguf(make_checkpoint(checkpoint_root, seed=3), tmp_path / "q4_1.gguf",
                        gguf.GGMLQuantizationType.Q4_1)

@@ -110,8 +110,9 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryTable(cfg.head_dim, max(max_model_len, 1), cfg.rope_theta, cfg.rope_scaling, dtype,
                                   device)
         self.linear = pick_linear(dtype, device)
-        # The LM head's kernel: the dense one, or beside int4 projections on a CPU with native bf16 a
-        # bfloat16 screen whose leading logits are recomputed in float32 (models/lm_head.py). A plain
+        # The LM head's kernel: the dense one, or beside int4 projections a screened head
+        # (models/lm_head.py): where the CPU has native bf16 a bfloat16 screen whose leading logits are
+        # recomputed in float32, and a 4-bit screen on plain greedy steps. A plain
         # bfloat16 head rounds logits to 0.125 at 25 and ties real top-2 choices (SmolLM2 answered
         # "L'Etoile" to "What is the capital of France?" where float32 says "The capital of France is Paris.").
         self.head_linear = self.linear
@@ -240,11 +241,13 @@ class LlamaModel(nn.Module):
 
         self._linears = [layer_linears(i, layer) for i, layer in enumerate(self.layers)]
         head = self.embed if self.lm_head is None else self.lm_head
-        if (isinstance(self.linear, Int4CpuLinear) and self.dtype == torch.float32
-                and cpu_has_fast_path(torch.bfloat16) and ScreenedHead.works()):
-            self._screened_head = ScreenedHead(head.detach())  # reads the float32 table as loaded
+        if isinstance(self.linear, Int4CpuLinear) and self.dtype == torch.float32:
+            # reads the float32 table as loaded
+            self._screened_head = ScreenedHead.for_cpu(head.detach(), cpu_has_fast_path(torch.bfloat16))
+        if self._screened_head is not None:
             self._head = None
-            log.info("LM head: bfloat16 screen, the top logits of each row recomputed in float32")
+            log.info("LM head: %s", "bfloat16 screen, the top logits of each row recomputed in float32"
+                     if self._screened_head.screen is not None else "float32, a 4-bit screen on plain greedy steps")
         else:
             self._head = self.head_linear.prepare(head) if self.lm_head is None else take(head, "lm_head")
         if self._int4_parts:

@@ -20,13 +20,17 @@ row)``, is the standard deviation of the row's rounding error against ``x``; ove
 logits the worst error was 4.9 of it, so a token left at its screen value would have to be off by
 twice that to win.
 
-Used where the projections are int4 and the CPU has native bfloat16 (oneDNN-packed bf16 GEMV, 2.3x
-faster than float32 at one row here); elsewhere the head is the plain dense linear.
+Used where the projections are int4. The bfloat16 screen only where the CPU has native bfloat16
+(oneDNN-packed bf16 GEMV, 2.3x faster than float32 at one row on a Xeon with AMX); elsewhere (AVX2)
+a step that reads more than the argmax computes its logits from the float32 table, and plain greedy
+steps still take the 4-bit screen (SmolLM2 on a 2-core AVX2 EPYC: the table's 113 MB read in float32
+against 14 MB).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from evenflow.worker.models.linear import PackedCpuLinear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack
 
@@ -39,11 +43,20 @@ _INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None),
 class ScreenedHead:
     """``__call__(x)``: float32 logits [rows, vocab] of ``x`` against ``table`` [vocab, hidden] (float32)."""
 
-    def __init__(self, table: torch.Tensor) -> None:
-        self.table = table  # float32, read only at the SCREEN_TOP rows of each step's leaders
+    def __init__(self, table: torch.Tensor, bf16_screen: bool = True) -> None:
+        self.table = table  # float32, read only at the SCREEN_TOP rows of each step's leaders (bf16 screen)
         self.kernel = PackedCpuLinear()
-        self.screen = self.kernel.prepare(table.to(torch.bfloat16))
+        self.screen = self.kernel.prepare(table.to(torch.bfloat16)) if bf16_screen else None
         self.int4 = Int4Screen(table) if _INT4_MM is not None and table.shape[1] % GROUP == 0 else None
+
+    @classmethod
+    def for_cpu(cls, table: torch.Tensor, bf16_fast: bool) -> ScreenedHead | None:
+        """The head for this CPU (``bf16_fast``: native bfloat16), or None where it would screen
+        nothing (no bfloat16 screen and no int4 kernel): the plain dense head then."""
+        bf16_screen = bf16_fast and cls.works()
+        if not bf16_screen and (_INT4_MM is None or table.shape[1] % GROUP):
+            return None
+        return cls(table, bf16_screen)
 
     def step_nbytes(self, rows: int, greedy: bool = False) -> int:
         """Bytes of weights a step of ``rows`` rows reads: the bf16 table once, SCREEN_TOP float32 rows a
@@ -51,6 +64,8 @@ class ScreenedHead:
         vocab, hidden = self.table.shape
         if greedy and self.int4 is not None:
             return self.int4.weight.nbytes
+        if self.screen is None:
+            return vocab * hidden * 4
         return vocab * hidden * 2 + rows * min(SCREEN_TOP, vocab) * hidden * 4
 
     @staticmethod
@@ -62,6 +77,8 @@ class ScreenedHead:
         x = x.float()
         if greedy and self.int4 is not None:
             return self._greedy(x)
+        if self.screen is None:
+            return F.linear(x, self.table)
         logits = self.kernel(x.to(torch.bfloat16), self.screen, None).float()
         self._recompute_top(x, logits)
         return logits

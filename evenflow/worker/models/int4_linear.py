@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from evenflow.worker.models.linear import Linear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack, pack_tile_rows
 from evenflow.worker.models.row_tiles import in_row_tiles
+from evenflow.worker.threads import usable_cores
 
 log = logging.getLogger("evenflow.worker.int4")
 
@@ -206,13 +207,16 @@ _PLANS: dict[tuple[tuple[int, int], bool, int], Int4Plan] = {}
 
 
 def int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int = 0) -> Int4Plan:
-    """``measure_int4_plan`` once per process and shape, logged."""
+    """``measure_int4_plan`` once per process and shape, on every usable core, logged."""
     key = (shape, bf16_fast, copy_params)
     if key not in _PLANS:
         t0 = time.perf_counter()
-        # On one thread: the ratios are what decide, and one thread is what a shared machine disturbs least.
+        # On the threads a long step runs on (every usable core): a step of more than a few rows on a
+        # real model is a long step (evenflow/worker/threads.py), and the kernels scale differently
+        # with threads. On a 2-core AVX2 EPYC the int4 kernel halves on 2 threads and a float32 GEMM
+        # of a few rows, bound by memory, does not: int4 won up to 8 rows on one thread, ~30 on two.
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)
+        torch.set_num_threads(usable_cores())
         try:
             _PLANS[key] = plan = measure_int4_plan(shape, bf16_fast, copy_params)
         finally:

@@ -8,6 +8,7 @@ waited for a core (at one thread it is the step's own cost; at more it sums the 
 
     python scripts/bench_decode_ab.py --model SmolLM2-135M-Instruct.Q4_1.gguf --rev HEAD~1 --rev HEAD
     python scripts/bench_decode_ab.py --model M.gguf --rev main --rev WORKTREE --threads 2   # uncommitted tree
+    python scripts/bench_decode_ab.py --model M.gguf --rev OLD --rev HEAD --mode auto   # default against default
 
 The load average is printed beside the table: on a shared machine only the ratios within one run count.
 """
@@ -35,10 +36,12 @@ from evenflow.worker.synthetic_steps import synthetic_step
 model, mode, context, threads, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(threads)
 gguf = model.endswith(".gguf")
-runner = ModelRunner(WorkerConfig(model=model, dtype="bfloat16" if mode == "bfloat16" else "float32", device="cpu",
+# auto: the engine's defaults (--dtype auto, no --quantization: what the revision serves a GGUF as)
+dtype = {"bfloat16": "bfloat16", "auto": "auto"}.get(mode, "float32")
+quantization = None if mode == "auto" or not gguf else ("gguf" if mode == "int4" else "none")
+runner = ModelRunner(WorkerConfig(model=model, dtype=dtype, device="cpu",
                                   block_size=16, max_model_len=context + 16, num_kv_blocks=context // 16 + 2,
-                                  num_threads=threads,
-                                  quantization=("gguf" if mode == "int4" else "none") if gguf else None))
+                                  num_threads=threads, quantization=quantization))
 torch.set_num_threads(threads)
 step = synthetic_step([1], [context], runner.block_size, runner.device)
 caches = runner._scratch_caches(step.num_blocks)
@@ -85,7 +88,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--rev", action="append", required=True, help="git revision, or WORKTREE (repeatable)")
-    p.add_argument("--mode", default="int4", help="float32, bfloat16 or int4")
+    p.add_argument("--mode", default="int4", help="float32, bfloat16, int4, or auto (the engine's defaults)")
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--steps", type=int, default=40)

@@ -10,7 +10,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from evenflow.worker.models.linear import cpu_has_fast_path
+from evenflow.worker.models.linear import TorchLinear, cpu_has_fast_path
 from evenflow.worker.models.lm_head import SCREEN_TOP, ScreenedHead
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
@@ -44,8 +44,8 @@ def test_leading_logits_are_float32_and_the_rest_within_bf16_rounding(rows: int)
 def test_without_a_bf16_screen_the_logits_are_float32s() -> None:
     g = torch.Generator().manual_seed(0)
     table, x = torch.randn(3000, 96, generator=g), torch.randn(5, 96, generator=g)
-    head = ScreenedHead(table, bf16_screen=False)
-    assert head.screen is None and torch.equal(head(x), torch.nn.functional.linear(x, table))
+    head = ScreenedHead(table, TorchLinear())
+    assert head.exact and torch.equal(head(x), torch.nn.functional.linear(x, table))
     assert head.step_nbytes(5) == table.nbytes
 
 
@@ -56,7 +56,7 @@ def test_int4_model_serves_the_screened_head_and_float32_keeps_the_dense_one(che
     int4 = make_runner(model, num_blocks=16, block_size=16, max_model_len=64, quantization="gguf").model
     dense = make_runner(model, num_blocks=16, block_size=16, max_model_len=64, quantization="none").model
     assert isinstance(int4._screened_head, ScreenedHead) and int4._head is None
-    assert (int4._screened_head.screen is not None) == BF16_FAST
+    assert (not int4._screened_head.exact) == BF16_FAST
     assert dense._screened_head is None and dense._head is not None
 
 
@@ -69,7 +69,7 @@ def test_the_greedy_screen_keeps_float32s_argmax_and_its_value(rows: int, spread
     table = base + torch.randn(3000, 96, generator=g) * spread  # 3000: not whole 64-row tiles
     x = torch.randn(rows, 96, generator=g)
     reference = x.double() @ table.double().t()
-    head = ScreenedHead(table, bf16_screen)
+    head = ScreenedHead(table) if bf16_screen else ScreenedHead(table, TorchLinear())
     assert head.int4 is not None
     got = head(x, greedy=True)
     assert got.dtype == torch.float32 and got.shape == (rows, 3000)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cache
 
 import psutil
 import torch
@@ -110,6 +112,7 @@ def int4_fits(out_features: int, in_features: int) -> bool:
     return out_features % PACK_TILE_ROWS == 0 and in_features % GROUP == 0
 
 
+@cache
 def layout_matches() -> bool:
     """Whether this torch packs int4 in a tile layout ``Int4Weight.dequantize`` reads (its values,
     scales and zeros included); a torch that changes it keeps 4-bit weights off rather than
@@ -125,6 +128,19 @@ def layout_matches() -> bool:
     expect = (q.float().view(-1, 2, GROUP) - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
     got = w.dequantize(torch.empty(q.shape, dtype=torch.float32))
     return torch.allclose(got, expect.view_as(got), rtol=1e-6, atol=1e-6)
+
+
+def _from_memory(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``F.linear`` against ``weight`` read from memory, as a step reads it: each call takes the next
+    of enough copies (``_COPY_PROBE_BYTES``) that the previous calls have evicted it from the cache."""
+    copies = [weight.clone() for _ in range(-(-_COPY_PROBE_BYTES // weight.nbytes))]
+    turn = [0]
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        turn[0] = (turn[0] + 1) % len(copies)
+        return F.linear(x, copies[turn[0]])
+
+    return linear
 
 
 def time_min(fns: list, trials: int = _TRIALS) -> list[float]:
@@ -168,13 +184,7 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
         available = psutil.virtual_memory().available if available_bytes is None else available_bytes
         copy_bytes = copy_params * dense_dtype.itemsize
         copy_fits = 0 < copy_bytes <= DENSE_COPY_RAM_SHARE * available
-        copies = [dense[dense_dtype].clone() for _ in range(-(-_COPY_PROBE_BYTES // (n * k * dense_dtype.itemsize)))
-                  ] if copy_fits else []
-        turn = [0]
-
-        def from_copy(x: torch.Tensor) -> torch.Tensor:
-            turn[0] = (turn[0] + 1) % len(copies)
-            return F.linear(x, copies[turn[0]])
+        from_copy = _from_memory(dense[dense_dtype]) if copy_fits else None
 
         probes: list[tuple[int, float, float, float]] = []  # rows, int4, dequantized, copy (s)
         for rows in _PROBE_ROWS:
@@ -184,18 +194,18 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
                 lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), weight.packed, GROUP,
                                                                    weight.scale_zeros),
                 lambda: F.linear(xd, dense[dense_dtype]),
-            ] + ([lambda: from_copy(xd)] if copies else []))
-            probes.append((rows, int4_s, dequant_s[dense_dtype] + matmul_s, copy_s[0] if copies else float("inf")))
+            ] + ([lambda: from_copy(xd)] if from_copy else []))
+            probes.append((rows, int4_s, dequant_s[dense_dtype] + matmul_s, copy_s[0] if from_copy else float("inf")))
         # Float32 weights kept, as a step reads them: from memory, not from the cache one weight fills.
-        f32_copies = [dense[torch.float32].clone() for _ in range(-(-_COPY_PROBE_BYTES // (n * k * 4)))]
-        f32_one = min(time_min([lambda w=w: F.linear(big[:1], w) for w in f32_copies]))
-        del f32_copies
+        f32_kept = from_copy if from_copy and dense_dtype == torch.float32 else _from_memory(dense[torch.float32])
+        f32_one = time_min([lambda: f32_kept(big[:1])])[0]
+        timed_copy = from_copy is not None
     name = str(dense_dtype)[6:]
     detail = "; ".join(f"{rows}: int4 {i * 1e3:.3f} / dequant+{name} {d * 1e3:.3f}"
-                       + (f" / {name} copy {c * 1e3:.3f}" if copies else "") + " ms" for rows, i, d, c in probes)
+                       + (f" / {name} copy {c * 1e3:.3f}" if timed_copy else "") + " ms" for rows, i, d, c in probes)
     if probes[0][1] >= min(f32_one, probes[0][2]):
         return Int4Plan(0, dense_dtype, f"the int4 kernel was slower than float32 at one row ({detail})")
-    use_copy = bool(copies) and all(c < d for _, i, d, c in probes if i >= c)
+    use_copy = timed_copy and all(c < d for _, i, d, c in probes if i >= c)
     max_rows = max(rows for rows, i, d, c in probes if i < (c if use_copy else d) or rows == 1)
     many = (f"a {name} copy above ({copy_bytes / 2**30:.2f} GiB)" if use_copy
             else f"dequantized {name} above" + ("" if copy_fits or not copy_params else

@@ -243,11 +243,12 @@ class LlamaModel(nn.Module):
         head = self.embed if self.lm_head is None else self.lm_head
         if isinstance(self.linear, Int4CpuLinear) and self.dtype == torch.float32:
             # reads the float32 table as loaded
-            self._screened_head = ScreenedHead.for_cpu(head.detach(), cpu_has_fast_path(torch.bfloat16))
+            self._screened_head = ScreenedHead.for_cpu(head.detach(), cpu_has_fast_path(torch.bfloat16),
+                                                       self.head_linear)
         if self._screened_head is not None:
             self._head = None
             log.info("LM head: %s", "bfloat16 screen, the top logits of each row recomputed in float32"
-                     if self._screened_head.screen is not None else "float32, a 4-bit screen on plain greedy steps")
+                     if not self._screened_head.exact else "float32, a 4-bit screen on plain greedy steps")
         else:
             self._head = self.head_linear.prepare(head) if self.lm_head is None else take(head, "lm_head")
         if self._int4_parts:

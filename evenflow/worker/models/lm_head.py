@@ -30,8 +30,7 @@ against 14 MB).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from evenflow.worker.models.linear import PackedCpuLinear
+from evenflow.worker.models.linear import Linear, PackedCpuLinear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack
 
 SCREEN_TOP = 64  # float32 logits per row: more than the 20 top logprobs a request can ask for
@@ -43,20 +42,22 @@ _INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None),
 class ScreenedHead:
     """``__call__(x)``: float32 logits [rows, vocab] of ``x`` against ``table`` [vocab, hidden] (float32)."""
 
-    def __init__(self, table: torch.Tensor, bf16_screen: bool = True) -> None:
+    def __init__(self, table: torch.Tensor, dense: Linear | None = None) -> None:
+        """A bfloat16 screen (``dense`` None), or ``dense``, the model's float32 head kernel, whose
+        logits are float32's already: then only plain greedy steps are screened (4-bit)."""
         self.table = table  # float32, read only at the SCREEN_TOP rows of each step's leaders (bf16 screen)
-        self.kernel = PackedCpuLinear()
-        self.screen = self.kernel.prepare(table.to(torch.bfloat16)) if bf16_screen else None
-        self.int4 = Int4Screen(table) if _INT4_MM is not None and table.shape[1] % GROUP == 0 else None
+        self.exact = dense is not None
+        self.kernel = dense if dense is not None else PackedCpuLinear()
+        self.screen = self.kernel.prepare(table if self.exact else table.to(torch.bfloat16))
+        self.int4 = Int4Screen(table) if Int4Screen.fits(table) else None
 
     @classmethod
-    def for_cpu(cls, table: torch.Tensor, bf16_fast: bool) -> ScreenedHead | None:
-        """The head for this CPU (``bf16_fast``: native bfloat16), or None where it would screen
-        nothing (no bfloat16 screen and no int4 kernel): the plain dense head then."""
-        bf16_screen = bf16_fast and cls.works()
-        if not bf16_screen and (_INT4_MM is None or table.shape[1] % GROUP):
-            return None
-        return cls(table, bf16_screen)
+    def for_cpu(cls, table: torch.Tensor, bf16_fast: bool, dense: Linear) -> ScreenedHead | None:
+        """The head for this CPU (``bf16_fast``: native bfloat16; ``dense``: the model's float32 head
+        kernel), or None where it would screen nothing (no bfloat16, no int4 kernel): ``dense`` alone."""
+        if bf16_fast and cls.works():
+            return cls(table)
+        return cls(table, dense) if Int4Screen.fits(table) else None
 
     def step_nbytes(self, rows: int, greedy: bool = False) -> int:
         """Bytes of weights a step of ``rows`` rows reads: the bf16 table once, SCREEN_TOP float32 rows a
@@ -64,7 +65,7 @@ class ScreenedHead:
         vocab, hidden = self.table.shape
         if greedy and self.int4 is not None:
             return self.int4.weight.nbytes
-        if self.screen is None:
+        if self.exact:
             return vocab * hidden * 4
         return vocab * hidden * 2 + rows * min(SCREEN_TOP, vocab) * hidden * 4
 
@@ -77,8 +78,8 @@ class ScreenedHead:
         x = x.float()
         if greedy and self.int4 is not None:
             return self._greedy(x)
-        if self.screen is None:
-            return F.linear(x, self.table)
+        if self.exact:
+            return self.kernel(x, self.screen, None)
         logits = self.kernel(x.to(torch.bfloat16), self.screen, None).float()
         self._recompute_top(x, logits)
         return logits
@@ -110,6 +111,10 @@ class ScreenedHead:
 
 class Int4Screen:
     """The table quantized once to 4 bits, groups of 32 (min/max; scale and zero as the kernel's bfloat16)."""
+
+    @staticmethod
+    def fits(table: torch.Tensor) -> bool:
+        return _INT4_MM is not None and table.shape[1] % GROUP == 0
 
     def __init__(self, table: torch.Tensor) -> None:
         vocab, hidden = table.shape

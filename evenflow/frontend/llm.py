@@ -157,17 +157,30 @@ class LLM:
             raise
 
     def _connect(self, timeout: float) -> Any:
+        # The engine-core binds its socket once its workers are ready. Until then no Hello is sent:
+        # a Hello that outlived its attempt would register a client that is gone by the engine's reply.
         deadline = time.monotonic() + timeout
+        sock_path = Path(self.address.removeprefix("ipc://"))
         while True:
-            try:
-                return self._client.connect(timeout=2.0)
-            except Exception as e:
-                if self._proc is not None and self._proc.poll() is not None:
-                    raise RuntimeError(f"engine-core exited with code {self._proc.returncode}:\n{self._log_tail()}") from None
-                if self._in_process is not None and not self._in_process.is_alive():
-                    raise RuntimeError(f"the in-process engine-core exited with code {self._in_process.exit_code}") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"engine-core did not answer within {timeout:.0f} s ({e})\n{self._log_tail()}") from None
+            self._check_engine_alive()
+            if sock_path.exists():
+                try:
+                    return self._client.connect(timeout=max(1.0, min(30.0, deadline - time.monotonic())))
+                except Exception as e:
+                    self._check_engine_alive()
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"engine-core did not answer within {timeout:.0f} s ({e})\n"
+                                           f"{self._log_tail()}") from None
+            elif time.monotonic() > deadline:
+                raise RuntimeError(f"engine-core did not start within {timeout:.0f} s\n{self._log_tail()}")
+            else:
+                time.sleep(0.05)
+
+    def _check_engine_alive(self) -> None:
+        if self._proc is not None and self._proc.poll() is not None:
+            raise RuntimeError(f"engine-core exited with code {self._proc.returncode}:\n{self._log_tail()}")
+        if self._in_process is not None and not self._in_process.is_alive():
+            raise RuntimeError(f"the in-process engine-core exited with code {self._in_process.exit_code}")
 
     def _log_tail(self, lines: int = 30) -> str:
         try:

@@ -3,7 +3,7 @@ served with ``--quantization gguf`` (4-bit projections, bfloat16 activations in 
 ``--quantization none`` (every tensor dequantized to float32, the exact reference path).
 
 Stated tolerances (measured 2026-12-01: decode path ppl ratio 0.9994, mean |dlogit| 0.064, max 0.73;
-prefill path 1.0069, 0.134, 0.85; logits span about +-35):
+prefill path 1.0069, 0.134, 0.85; the float16 copy's, 2026-12-03: 0.9981, 0.036, 0.25; logits span about +-35):
 - perplexity of a fixed text within 1% of the float32 path's, through the int4 kernel (1 row a step)
   and through the dequantized bfloat16 path (the whole text in one step);
 - logits: mean |difference| <= 0.25, max <= 2.0;
@@ -14,10 +14,12 @@ prefill path 1.0069, 0.134, 0.85; logits span about +-35):
 from __future__ import annotations
 
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
 from evenflow.frontend.tokenizer import Tokenizer
+from evenflow.worker.models.fp16_gemm import fp16_gemm_works
 from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan
 from evenflow.worker.runner import ModelRunner
 from tests.worker.harness import Job, greedy, make_runner, run_jobs
@@ -54,6 +56,16 @@ def int4_runner(smollm2_gguf: Path) -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
+def fp16_copy_runner(smollm2_gguf: Path) -> ModelRunner:
+    """The GGUF loaded as a plan that keeps a float16 copy does (where FBGEMM's kernel exists), whatever
+    this machine's start-up measurement chose."""
+    if not fp16_gemm_works():
+        pytest.skip("this torch has no FBGEMM float16 GEMM")
+    with patch("evenflow.worker.models.llama.int4_plan", lambda *_: Int4Plan(1, torch.float16, "test", True)):
+        return _runner(smollm2_gguf, "gguf")
+
+
+@pytest.fixture(scope="module")
 def tokenizer(smollm2_tokenizer: Tokenizer) -> Tokenizer:
     return smollm2_tokenizer
 
@@ -68,18 +80,33 @@ def text_reference(float32_runner: ModelRunner, text_ids: list[int]) -> Scored:
     return score(float32_runner, text_ids, len(text_ids))
 
 
-@pytest.mark.parametrize("path", ["int4 kernel", "dequantized bfloat16", "dequantized float32"])
+def _paths_runner(path: str, request: pytest.FixtureRequest) -> ModelRunner:
+    return request.getfixturevalue("fp16_copy_runner" if path == "float16 copy" else "int4_runner")
+
+
+def _dense_plan(path: str) -> Int4Plan:
+    """Every row through the many-row path ``path`` names."""
+    if path == "float16 copy":
+        return Int4Plan(0, torch.float16, "test", dense_copy=True)
+    return Int4Plan(0, torch.bfloat16 if "bfloat16" in path else torch.float32, "test")
+
+
+PATHS = ["int4 kernel", "dequantized bfloat16", "dequantized float32", "float16 copy"]
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_int4_logits_and_perplexity_track_the_float32_path(path: str, text_reference: Scored,
-                                                            int4_runner: ModelRunner, text_ids: list[int]) -> None:
+                                                            request: pytest.FixtureRequest,
+                                                            text_ids: list[int]) -> None:
     ids, reference = text_ids, text_reference
+    int4_runner = _paths_runner(path, request)
     kernel = int4_runner.model.linear
     saved = kernel.plan
     try:  # the path under test, whatever this machine's start-up measurement chose
         if path == "int4 kernel":
             kernel.plan, chunk = Int4Plan(DECODE_ROWS, saved.dense_dtype, "test"), DECODE_ROWS
         else:
-            dtype = torch.bfloat16 if "bfloat16" in path else torch.float32
-            kernel.plan, chunk = Int4Plan(0, dtype, "test"), len(ids)
+            kernel.plan, chunk = _dense_plan(path), len(ids)
         got = score(int4_runner, ids, chunk)
     finally:
         kernel.plan = saved
@@ -116,21 +143,22 @@ DEMO_CHAT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, t
              "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.mark.parametrize("path", ["int4 kernel", "dequantized bfloat16", "dequantized float32"])
+@pytest.mark.parametrize("path", PATHS)
 def test_the_demo_answer_starts_as_float32_does_through_every_int4_path(
-        path: str, float32_runner: ModelRunner, int4_runner: ModelRunner, tokenizer: Tokenizer) -> None:
+        path: str, float32_runner: ModelRunner, request: pytest.FixtureRequest, tokenizer: Tokenizer) -> None:
     """The README's first question: its top two first tokens ("The", "L") are 0.08 apart in float32, so
     logits rounded anywhere to bfloat16 (a bf16 LM head rounds to 0.125 there) flip the answer."""
     ids = tokenizer.encode(DEMO_CHAT) + [0]  # one more position, so the prompt's last logits are scored
     expected = int(score(float32_runner, ids, len(ids)).logits[-1].argmax())
     assert tokenizer.decode([expected]) == "The"
+    int4_runner = _paths_runner(path, request)
     kernel = int4_runner.model.linear
     saved = kernel.plan
     try:
         if path == "int4 kernel":
             kernel.plan = Int4Plan(len(ids), saved.dense_dtype, "test")
         else:
-            kernel.plan = Int4Plan(0, torch.bfloat16 if "bfloat16" in path else torch.float32, "test")
+            kernel.plan = _dense_plan(path)
         got = int(score(int4_runner, ids, len(ids)).logits[-1].argmax())
         argmax_only = int(score(int4_runner, ids, len(ids), greedy=True).logits[-1].argmax())
     finally:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from evenflow.worker.models.fp16_gemm import fp16_gemm_works
 from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan, layout_matches, measure_int4_plan
 from evenflow.worker.models.linear import TorchLinear
 from evenflow.worker.models.q4_blocks import concat_rows, pack, split_blocks
@@ -91,7 +92,7 @@ def test_other_types_and_partial_blocks_are_refused() -> None:
 
 @pytest.mark.parametrize("qtype", Q4_TYPES)
 @pytest.mark.parametrize("rows", [1, 3, 8, 40, 300])
-@pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_both_paths_compute_the_linear_of_the_gguf_values(qtype: GGMLQuantizationType, rows: int,
                                                           dense_dtype: torch.dtype) -> None:
     raw, reference = blocks(qtype, 192, 576, seed=rows)
@@ -106,8 +107,26 @@ def test_both_paths_compute_the_linear_of_the_gguf_values(qtype: GGMLQuantizatio
         out = kernel(x, weight, bias)
         assert out.dtype == torch.float32 and out.shape == expect.shape
         assert float((out - expect).abs().max()) <= BF16_REL_TOL * float(expect.abs().max())
-        if max_int4_rows < rows and dense_dtype == torch.float32:
+        if max_int4_rows < rows and dense_dtype != torch.bfloat16:  # float16 without its copy: float32
             torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not fp16_gemm_works(), reason="this torch has no FBGEMM float16 GEMM")
+def test_a_float16_copy_computes_the_linear_of_the_values_rounded_to_float16() -> None:
+    raw, _ = blocks(GGMLQuantizationType.Q4_1, 192, 576, seed=5)
+    weight = pack(split_blocks(GGMLQuantizationType.Q4_1, raw, (192, 576)))
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(5))
+    kernel = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.float16, "test", dense_copy=True))
+    copied = kernel.with_dense_copy(weight)
+    assert isinstance(copied.dense, torch.ScriptObject) and copied.nbytes == weight.nbytes
+    assert kernel.act_dtype(copied, 40) == torch.float32 and kernel.act_dtype(copied, 8) == torch.bfloat16
+    values = weight.dequantize(torch.empty(192, 576))
+    out = kernel(x, copied)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, x @ values.half().float().T, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(values.half().float(), values)  # the rounding is real, and the copy computes it
+    int4_only = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.float32, "test"))
+    assert torch.equal(kernel(x[:8], copied), int4_only(x[:8], weight))  # up to 8 rows: int4, the copy unread
 
 @pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
 def test_a_dense_copy_computes_exactly_what_dequantizing_per_step_does(dense_dtype: torch.dtype) -> None:
@@ -135,15 +154,17 @@ def test_dense_weights_pass_through_to_the_wrapped_kernel() -> None:
 
 def test_start_up_plan_is_measured_and_explained() -> None:
     plan = measure_int4_plan((128, 256), bf16_fast=True)
-    assert plan.max_int4_rows >= 0 and plan.dense_dtype in (torch.float32, torch.bfloat16)
+    assert plan.max_int4_rows >= 0 and plan.dense_dtype in (torch.float32, torch.bfloat16, torch.float16)
     assert "1: int4" in plan.reason  # every probe's timings are in the logged reason
 
 
 def test_the_plan_keeps_a_dense_copy_only_where_it_fits() -> None:
     fits = measure_int4_plan((128, 256), bf16_fast=True, copy_params=10 * 128 * 256, available_bytes=1 << 34)
     assert " copy " in fits.reason  # the copy was timed at every probe size
-    assert fits.dense_copy == ("a bfloat16 copy above" in fits.reason or "a float32 copy above" in fits.reason)
+    assert fits.dense_copy == any(f"a {kind} copy above" in fits.reason
+                                  for kind in ("bfloat16", "float32", "float16 (FBGEMM)"))
+    assert ("float16 copy " in fits.reason) == fp16_gemm_works()  # timed wherever the kernel exists
     tight = measure_int4_plan((128, 256), bf16_fast=True, copy_params=10 * 128 * 256, available_bytes=1 << 20)
     assert not tight.dense_copy
-    assert "float32 copy " not in tight.reason and "bfloat16 copy " not in tight.reason  # no copy was timed
+    assert all(f"{kind} copy " not in tight.reason for kind in ("float32", "bfloat16", "float16"))  # none timed
     assert tight.max_int4_rows == 0 or "would not fit" in tight.reason

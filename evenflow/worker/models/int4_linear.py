@@ -25,6 +25,7 @@ from functools import cache
 import psutil
 import torch
 import torch.nn.functional as F
+from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_fp16
 from evenflow.worker.models.linear import Linear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack, pack_tile_rows
 from evenflow.worker.models.row_tiles import in_row_tiles
@@ -51,9 +52,14 @@ class Int4Plan:
     """Which kernel runs a step of ``rows`` rows: int4 up to ``max_int4_rows``, else dense in ``dense_dtype``."""
 
     max_int4_rows: int  # 0: the int4 kernel never won, weights should be dequantized at load
-    dense_dtype: torch.dtype
+    dense_dtype: torch.dtype  # float16: FBGEMM's float16-weight GEMM on a copy (models/fp16_gemm.py)
     reason: str
     dense_copy: bool = False  # many-row steps read a dense copy made at load instead of dequantizing
+
+    @property
+    def dense_act_dtype(self) -> torch.dtype:
+        """The dtype many-row steps compute in: float16 weights take float32 activations."""
+        return torch.float32 if self.dense_dtype == torch.float16 else self.dense_dtype
 
 
 class Int4CpuLinear:
@@ -72,7 +78,7 @@ class Int4CpuLinear:
         not cast, and the result comes back in ``x``'s dtype."""
         if type(weight) is not Int4Weight:
             return self.dense.act_dtype(weight, rows)
-        return torch.bfloat16 if rows <= self.plan.max_int4_rows else self.plan.dense_dtype
+        return torch.bfloat16 if rows <= self.plan.max_int4_rows else self.plan.dense_act_dtype
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None
                  ) -> torch.Tensor:
@@ -84,12 +90,15 @@ class Int4CpuLinear:
                 y = _INT4_MM(x, weight.packed, GROUP, weight.scale_zeros)
             else:
                 y = _INT4_MM(x.to(torch.bfloat16), weight.packed, GROUP, weight.scale_zeros).to(x.dtype)
+        elif self.plan.dense_dtype == torch.float16 and isinstance(weight.dense, torch.ScriptObject):
+            y = fp16_linear(x.float(), weight.dense).to(x.dtype)
         else:
+            act = self.plan.dense_act_dtype
             dense = weight.dense
-            if dense is None or dense.dtype != self.plan.dense_dtype:
+            if not isinstance(dense, torch.Tensor) or dense.dtype != act:
                 dense = weight.dequantize(self._scratch_for(weight))
             # oneDNN (bfloat16) keeps a primitive per row count: bounded by row_tiles.
-            y = in_row_tiles(lambda rows: F.linear(rows, dense), x.to(self.plan.dense_dtype)).to(x.dtype)
+            y = in_row_tiles(lambda rows: F.linear(rows, dense), x.to(act)).to(x.dtype)
         return y if bias is None else y + bias
 
     def with_dense_copy(self, weight: Int4Weight) -> Int4Weight:
@@ -97,10 +106,12 @@ class Int4CpuLinear:
         if not self.plan.dense_copy:
             return weight
         shape = (weight.out_features, weight.in_features)
+        if self.plan.dense_dtype == torch.float16:
+            return replace(weight, dense=pack_fp16(weight.dequantize(self._scratch_for(weight))))
         return replace(weight, dense=weight.dequantize(torch.empty(shape, dtype=self.plan.dense_dtype)))
 
     def _scratch_for(self, weight: Int4Weight) -> torch.Tensor:
-        key = (weight.out_features, weight.in_features, self.plan.dense_dtype)
+        key = (weight.out_features, weight.in_features, self.plan.dense_act_dtype)
         buf = self._scratch.get(key)
         if buf is None:
             buf = self._scratch[key] = torch.empty(key[:2], dtype=key[2])
@@ -130,15 +141,17 @@ def layout_matches() -> bool:
     return torch.allclose(got, expect.view_as(got), rtol=1e-6, atol=1e-6)
 
 
-def _from_memory(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``F.linear`` against ``weight`` read from memory, as a step reads it: each call takes the next
-    of enough copies (``_COPY_PROBE_BYTES``) that the previous calls have evicted it from the cache."""
-    copies = [weight.clone() for _ in range(-(-_COPY_PROBE_BYTES // weight.nbytes))]
+def _from_memory(weight: torch.Tensor, fp16: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``F.linear`` against ``weight`` (``fp16``: its FBGEMM float16 copy) read from memory, as a step
+    reads it: each call takes the next of enough copies (``_COPY_PROBE_BYTES``) that the previous calls
+    have evicted it from the cache."""
+    nbytes = weight.numel() * (2 if fp16 else weight.element_size())
+    copies = [pack_fp16(weight) if fp16 else weight.clone() for _ in range(-(-_COPY_PROBE_BYTES // nbytes))]
     turn = [0]
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         turn[0] = (turn[0] + 1) % len(copies)
-        return F.linear(x, copies[turn[0]])
+        return fp16_linear(x, copies[turn[0]]) if fp16 else F.linear(x, copies[turn[0]])
 
     return linear
 
@@ -165,7 +178,8 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
     included: a step pays it once per layer) or, when a dense copy of the ``copy_params`` projection
     parameters fits in ``DENSE_COPY_RAM_SHARE`` of ``available_bytes`` (the RAM available now when
     None), read from that copy, timed from memory; the copy is kept where it beats dequantizing at
-    every probe size int4 does not win.
+    every probe size int4 does not win. A float16 copy (FBGEMM, models/fp16_gemm.py) replaces
+    either where it fits and beats it at every probe size int4 does not win.
     """
     if not layout_matches():
         return Int4Plan(0, torch.float32, "this torch's int4 packing is not the layout evenflow reads")
@@ -185,32 +199,42 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
         copy_bytes = copy_params * dense_dtype.itemsize
         copy_fits = 0 < copy_bytes <= DENSE_COPY_RAM_SHARE * available
         from_copy = _from_memory(dense[dense_dtype]) if copy_fits else None
+        fp16_fits = fp16_gemm_works() and 0 < copy_params * 2 <= DENSE_COPY_RAM_SHARE * available
+        from_fp16 = _from_memory(dense[torch.float32], fp16=True) if fp16_fits else None
 
-        probes: list[tuple[int, float, float, float]] = []  # rows, int4, dequantized, copy (s)
+        probes: list[tuple[int, float, float, float, float]] = []  # rows, int4, dequantized, copy, fp16 (s)
         for rows in _PROBE_ROWS:
             x = big[:rows]
             xd = x.to(dense_dtype)
+            copies = [f for f in (from_copy, from_fp16) if f is not None]
             int4_s, matmul_s, *copy_s = time_min([
                 lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), weight.packed, GROUP,
                                                                    weight.scale_zeros),
                 lambda: F.linear(xd, dense[dense_dtype]),
-            ] + ([lambda: from_copy(xd)] if from_copy else []))
-            probes.append((rows, int4_s, dequant_s[dense_dtype] + matmul_s, copy_s[0] if from_copy else float("inf")))
+            ] + [lambda f=f: f(x if f is from_fp16 else xd) for f in copies])
+            timed = dict(zip(copies, copy_s))
+            probes.append((rows, int4_s, dequant_s[dense_dtype] + matmul_s, timed.get(from_copy, float("inf")),
+                           timed.get(from_fp16, float("inf"))))
         # Float32 weights kept, as a step reads them: from memory, not from the cache one weight fills.
         f32_kept = from_copy if from_copy and dense_dtype == torch.float32 else _from_memory(dense[torch.float32])
         f32_one = time_min([lambda: f32_kept(big[:1])])[0]
         timed_copy = from_copy is not None
     name = str(dense_dtype)[6:]
     detail = "; ".join(f"{rows}: int4 {i * 1e3:.3f} / dequant+{name} {d * 1e3:.3f}"
-                       + (f" / {name} copy {c * 1e3:.3f}" if timed_copy else "") + " ms" for rows, i, d, c in probes)
+                       + (f" / {name} copy {c * 1e3:.3f}" if timed_copy else "")
+                       + (f" / float16 copy {h * 1e3:.3f}" if from_fp16 else "") + " ms" for rows, i, d, c, h in probes)
     if probes[0][1] >= min(f32_one, probes[0][2]):
         return Int4Plan(0, dense_dtype, f"the int4 kernel was slower than float32 at one row ({detail})")
-    use_copy = timed_copy and all(c < d for _, i, d, c in probes if i >= c)
-    max_rows = max(rows for rows, i, d, c in probes if i < (c if use_copy else d) or rows == 1)
+    use_copy = timed_copy and all(c < d for _, i, d, c, _ in probes if i >= c)
+    dense_s = [c if use_copy else d for _, i, d, c, _ in probes]
+    if from_fp16 is not None and all(h < m for (_, i, _, _, h), m in zip(probes, dense_s) if i >= h):
+        dense_dtype, use_copy, name = torch.float16, True, "float16 (FBGEMM)"
+        copy_bytes, dense_s = copy_params * 2, [h for *_, h in probes]
+    max_rows = max(rows for (rows, i, *_), m in zip(probes, dense_s) if i < m or rows == 1)
     many = (f"a {name} copy above ({copy_bytes / 2**30:.2f} GiB)" if use_copy
             else f"dequantized {name} above" + ("" if copy_fits or not copy_params else
                                                 f" (a {copy_bytes / 2**30:.2f} GiB copy would not fit)"))
-    return Int4Plan(max_rows, dense_dtype, f"int4 up to {max_rows} rows, {many}, on {n}x{k} ({detail})", use_copy)
+    return Int4Plan(max_rows, dense_dtype, f"int4 up to {max_rows} row{'s' if max_rows > 1 else ''}, {many}, on {n}x{k} ({detail})", use_copy)
 
 
 _PLANS: dict[tuple[tuple[int, int], bool, int], Int4Plan] = {}

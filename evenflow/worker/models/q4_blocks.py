@@ -57,7 +57,8 @@ class Int4Weight:
     scale_zeros: torch.Tensor  # bfloat16 [in_features / 32, out_features, 2]
     out_features: int
     in_features: int
-    dense: torch.Tensor | None = None  # the same values dequantized once, for many-row steps (the plan's)
+    # The same values dequantized once, for many-row steps (the plan's): a tensor, or FBGEMM's packed float16.
+    dense: torch.Tensor | torch.ScriptObject | None = None
 
     @property
     def nbytes(self) -> int:

@@ -168,3 +168,19 @@ def test_the_plan_keeps_a_dense_copy_only_where_it_fits() -> None:
     assert not tight.dense_copy
     assert all(f"{kind} copy " not in tight.reason for kind in ("float32", "bfloat16", "float16"))  # none timed
     assert tight.max_int4_rows == 0 or "would not fit" in tight.reason
+
+
+def test_a_verdict_that_int4_never_wins_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from evenflow.worker.models import int4_linear
+
+    good = Int4Plan(8, torch.float32, "int4 up to 8 rows")
+    bad = Int4Plan(0, torch.float32, "the int4 kernel was slower than float32 at one row")
+    answers = [bad, good]
+    monkeypatch.setattr(int4_linear, "_PLANS", {})
+    monkeypatch.setattr(int4_linear, "layout_matches", lambda: True)
+    monkeypatch.setattr(int4_linear, "measure_int4_plan", lambda *_: answers.pop(0))
+    assert int4_linear.int4_plan((64, 64), False, 11) is good and not answers  # a busy moment, then the truth
+    answers[:] = [bad] * 5
+    assert int4_linear.int4_plan((64, 64), False, 12) is bad and len(answers) == 5 - int4_linear._PLAN_ATTEMPTS
+    answers[:] = [good, bad]
+    assert int4_linear.int4_plan((64, 64), False, 13) is good and answers == [bad]  # a plan that wins: once

@@ -1,7 +1,8 @@
 """The screened LM head (models/lm_head.py) against the float32 head it stands in for: the leading
-logits of every row are float32's, the rest within bfloat16's rounding; on argmax-only steps (the
-4-bit screen) the argmax is float32's; a real int4 model serves through it, with the bfloat16 screen
-only where the CPU has native bfloat16, and through the 4-bit screen only on plain greedy steps."""
+logits of every row are float32's, the rest within the screen's rounding (bfloat16 or float16); on
+argmax-only steps (the 4-bit screen) the argmax is float32's; a real int4 model serves through it,
+with the bfloat16 screen only where the CPU has native bfloat16 (else float16 where FBGEMM is), and
+through the 4-bit screen only on plain greedy steps of up to the int4 plan's rows."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from evenflow.worker.models.fp16_gemm import fp16_gemm_works
 from evenflow.worker.models.linear import TorchLinear, cpu_has_fast_path
 from evenflow.worker.models.lm_head import SCREEN_TOP, ScreenedHead
 from tests.checkpoints import make_checkpoint
@@ -19,32 +21,38 @@ from tests.worker.harness import Job, greedy, make_runner, run_jobs
 
 BF16_FAST = cpu_has_fast_path(torch.bfloat16) and ScreenedHead.works()
 needs_bf16 = pytest.mark.skipif(not BF16_FAST, reason="no native bfloat16 on this CPU: no bfloat16 screen")
-# Both kinds of head where this CPU has native bfloat16; the float32 one with a 4-bit screen elsewhere.
-HEAD_KINDS = [pytest.param(True, marks=needs_bf16, id="bf16-screen"), pytest.param(False, id="float32")]
+needs_fp16 = pytest.mark.skipif(not fp16_gemm_works(), reason="this torch has no FBGEMM float16 GEMM")
+SCREENS = [pytest.param("bfloat16", marks=needs_bf16), pytest.param("float16", marks=needs_fp16)]
+# Every kind of head this CPU can run: the two screens, and the float32 one with a 4-bit screen.
+HEAD_KINDS = [*SCREENS, pytest.param("float32")]
 
 
-@needs_bf16
+def head_of(table: torch.Tensor, kind: str, int4_rows: int = 1 << 30) -> ScreenedHead:
+    return ScreenedHead(table, kind, TorchLinear() if kind == "float32" else None, int4_rows)
+
+
+@pytest.mark.parametrize("kind", SCREENS)
 @pytest.mark.parametrize("rows", [1, 5, 130])  # 130: more rows than one gather takes
-def test_leading_logits_are_float32_and_the_rest_within_bf16_rounding(rows: int) -> None:
+def test_leading_logits_are_float32_and_the_rest_within_the_screens_rounding(rows: int, kind: str) -> None:
     g = torch.Generator().manual_seed(rows)
     table = torch.randn(3000, 96, generator=g) * 0.2
     x = torch.randn(rows, 96, generator=g)
     reference = x.double() @ table.double().t()
-    got = ScreenedHead(table)(x)
+    got = head_of(table, kind)(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 3000)
     assert torch.equal(got.argmax(1), reference.argmax(1))
     # A row's float32-recomputed logits: its SCREEN_TOP largest by the screen, the reference's top
     # SCREEN_TOP / 2 among them wherever the screen's error is small against their spread (it is here).
     lead = reference.topk(SCREEN_TOP // 2, dim=1).indices
     torch.testing.assert_close(got.gather(1, lead).double(), reference.gather(1, lead), rtol=1e-5, atol=1e-5)
-    bf16_step = 2.0 ** -8 * float(reference.abs().max())
-    assert float((got.double() - reference).abs().max()) <= 2 * bf16_step
+    step = 2.0 ** (-8 if kind == "bfloat16" else -11) * float(reference.abs().max())
+    assert float((got.double() - reference).abs().max()) <= 2 * step
 
 
 def test_without_a_bf16_screen_the_logits_are_float32s() -> None:
     g = torch.Generator().manual_seed(0)
     table, x = torch.randn(3000, 96, generator=g), torch.randn(5, 96, generator=g)
-    head = ScreenedHead(table, TorchLinear())
+    head = head_of(table, "float32")
     assert head.exact and torch.equal(head(x), torch.nn.functional.linear(x, table))
     assert head.step_nbytes(5) == table.nbytes
 
@@ -56,21 +64,22 @@ def test_int4_model_serves_the_screened_head_and_float32_keeps_the_dense_one(che
     int4 = make_runner(model, num_blocks=16, block_size=16, max_model_len=64, quantization="gguf").model
     dense = make_runner(model, num_blocks=16, block_size=16, max_model_len=64, quantization="none").model
     assert isinstance(int4._screened_head, ScreenedHead) and int4._head is None
-    assert (not int4._screened_head.exact) == BF16_FAST
+    assert int4._screened_head.kind == ("bfloat16" if BF16_FAST else "float16" if fp16_gemm_works() else "float32")
+    assert int4._screened_head.int4_rows == int4.int4_plan.max_int4_rows
     assert dense._screened_head is None and dense._head is not None
 
 
-@pytest.mark.parametrize("bf16_screen", HEAD_KINDS)
+@pytest.mark.parametrize("kind", HEAD_KINDS)
 @pytest.mark.parametrize("rows", [1, 5, 130])
 @pytest.mark.parametrize("spread", [0.2, 1e-3])  # 1e-3: logits far closer than the 4-bit error, all suspects
-def test_the_greedy_screen_keeps_float32s_argmax_and_its_value(rows: int, spread: float, bf16_screen: bool) -> None:
+def test_the_greedy_screen_keeps_float32s_argmax_and_its_value(rows: int, spread: float, kind: str) -> None:
     g = torch.Generator().manual_seed(rows)
     base = torch.randn(1, 96, generator=g) * 0.2
     table = base + torch.randn(3000, 96, generator=g) * spread  # 3000: not whole 64-row tiles
     x = torch.randn(rows, 96, generator=g)
     reference = x.double() @ table.double().t()
-    head = ScreenedHead(table) if bf16_screen else ScreenedHead(table, TorchLinear())
-    assert head.int4 is not None
+    head = head_of(table, kind)
+    assert head.int4 is not None and head.step_nbytes(rows, greedy=True) == head.int4.weight.nbytes
     got = head(x, greedy=True)
     assert got.dtype == torch.float32 and got.shape == (rows, 3000)
     assert torch.equal(got.argmax(1), reference.argmax(1))
@@ -103,3 +112,14 @@ def test_only_plain_greedy_steps_take_the_greedy_screen(checkpoint_root: Path, t
                    SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)):
         run_jobs(runner, [Job("s", prompt, 4, params=params)], num_blocks=16)
     assert recorder.flags and not any(recorder.flags)
+
+
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_greedy_steps_above_the_int4_rows_take_the_other_screen(kind: str) -> None:
+    g = torch.Generator().manual_seed(4)
+    table, x = torch.randn(3000, 96, generator=g) * 0.2, torch.randn(6, 96, generator=g)
+    head = head_of(table, kind, int4_rows=4)
+    assert head.step_nbytes(4, greedy=True) == head.int4.weight.nbytes
+    assert head.step_nbytes(6, greedy=True) == head.step_nbytes(6) > head.int4.weight.nbytes
+    assert torch.equal(head(x, greedy=True), head(x))  # 6 rows: the screen every step takes, not the 4-bit one
+    assert not torch.equal(head(x[:4], greedy=True), head(x[:4]))  # 4 rows: the 4-bit screen's rough tail

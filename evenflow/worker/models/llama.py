@@ -111,8 +111,8 @@ class LlamaModel(nn.Module):
                                   device)
         self.linear = pick_linear(dtype, device)
         # The LM head's kernel: the dense one, or beside int4 projections a screened head
-        # (models/lm_head.py): where the CPU has native bf16 a bfloat16 screen whose leading logits are
-        # recomputed in float32, and a 4-bit screen on plain greedy steps. A plain
+        # (models/lm_head.py): a bfloat16 screen where the CPU has native bf16, else a float16 one, whose
+        # leading logits are recomputed in float32, and a 4-bit screen on plain greedy steps. A plain
         # bfloat16 head rounds logits to 0.125 at 25 and ties real top-2 choices (SmolLM2 answered
         # "L'Etoile" to "What is the capital of France?" where float32 says "The capital of France is Paris.").
         self.head_linear = self.linear
@@ -244,11 +244,12 @@ class LlamaModel(nn.Module):
         if isinstance(self.linear, Int4CpuLinear) and self.dtype == torch.float32:
             # reads the float32 table as loaded
             self._screened_head = ScreenedHead.for_cpu(head.detach(), cpu_has_fast_path(torch.bfloat16),
-                                                       self.head_linear)
+                                                       self.head_linear, self.int4_plan.max_int4_rows)
         if self._screened_head is not None:
             self._head = None
-            log.info("LM head: %s", "bfloat16 screen, the top logits of each row recomputed in float32"
-                     if not self._screened_head.exact else "float32, a 4-bit screen on plain greedy steps")
+            screened = self._screened_head
+            log.info("LM head: %s; plain greedy steps of up to %d rows a 4-bit screen", "float32" if screened.exact
+                     else f"{screened.kind} screen, the top logits of each row recomputed in float32", screened.int4_rows)
         else:
             self._head = self.head_linear.prepare(head) if self.lm_head is None else take(head, "lm_head")
         if self._int4_parts:

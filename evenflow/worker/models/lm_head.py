@@ -1,5 +1,5 @@
-"""The LM head beside int4 projections: screened in bfloat16 (4-bit for argmax-only steps), the
-leading logits recomputed in float32.
+"""The LM head beside int4 projections: screened in bfloat16 or float16 (4-bit for argmax-only steps
+of few rows), the leading logits recomputed in float32.
 
 At one row the head is a GEMV over the whole vocabulary, and its float32 table is the largest read
 of an int4 decode step (SmolLM2: 113 MB of the 180 MB a step reads). A bfloat16 copy reads half, but
@@ -22,14 +22,17 @@ twice that to win.
 
 Used where the projections are int4. The bfloat16 screen only where the CPU has native bfloat16
 (oneDNN-packed bf16 GEMV, 2.3x faster than float32 at one row on a Xeon with AMX); elsewhere (AVX2)
-a step that reads more than the argmax computes its logits from the float32 table, and plain greedy
-steps still take the 4-bit screen (SmolLM2 on a 2-core AVX2 EPYC: the table's 113 MB read in float32
-against 14 MB).
+a float16 screen, FBGEMM's float16-weight GEMM (models/fp16_gemm.py; the same 57 MB, and its tail
+logits within float16's 2^-11 rather than bfloat16's 2^-8), where the float32 table took 12 ms a
+one-row step on a 2-core AVX2 EPYC (the 4-bit screen 2.3 ms, the float16 one ~3). Where neither
+exists the float32 table computes every logit. The 4-bit screen is taken up to ``int4_rows`` rows
+(the int4 plan's crossover: it dequantizes per row like the projections' kernel), the other above.
 """
 
 from __future__ import annotations
 
 import torch
+from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_fp16
 from evenflow.worker.models.linear import Linear, PackedCpuLinear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack
 
@@ -42,28 +45,48 @@ _INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None),
 class ScreenedHead:
     """``__call__(x)``: float32 logits [rows, vocab] of ``x`` against ``table`` [vocab, hidden] (float32)."""
 
-    def __init__(self, table: torch.Tensor, dense: Linear | None = None) -> None:
-        """A bfloat16 screen (``dense`` None), or ``dense``, the model's float32 head kernel, whose
-        logits are float32's already: then only plain greedy steps are screened (4-bit)."""
+    def __init__(self, table: torch.Tensor, screen: str = "bfloat16", dense: Linear | None = None,
+                 int4_rows: int = 1 << 30) -> None:
+        """``screen``: "bfloat16" (oneDNN), "float16" (FBGEMM) or "float32": ``dense``, the model's float32
+        head kernel, whose logits are float32's already (then only plain greedy steps are screened, 4-bit).
+        Plain greedy steps of up to ``int4_rows`` rows take the 4-bit screen."""
         self.table = table  # float32, read only at the SCREEN_TOP rows of each step's leaders (bf16 screen)
-        self.exact = dense is not None
-        self.kernel = dense if dense is not None else PackedCpuLinear()
-        self.screen = self.kernel.prepare(table if self.exact else table.to(torch.bfloat16))
+        self.kind = screen
+        self.int4_rows = int4_rows
+        if screen == "float32":
+            assert dense is not None
+            self.kernel: Linear = dense
+            self.screen: torch.Tensor | torch.ScriptObject = dense.prepare(table)
+        elif screen == "float16":
+            self.screen = pack_fp16(table)
+        else:
+            self.kernel = PackedCpuLinear()
+            self.screen = self.kernel.prepare(table.to(torch.bfloat16))
         self.int4 = Int4Screen(table) if Int4Screen.fits(table) else None
 
+    @property
+    def exact(self) -> bool:
+        """Every logit float32's (no screen but on plain greedy steps)."""
+        return self.kind == "float32"
+
     @classmethod
-    def for_cpu(cls, table: torch.Tensor, bf16_fast: bool, dense: Linear) -> ScreenedHead | None:
+    def for_cpu(cls, table: torch.Tensor, bf16_fast: bool, dense: Linear, int4_rows: int) -> ScreenedHead | None:
         """The head for this CPU (``bf16_fast``: native bfloat16; ``dense``: the model's float32 head
-        kernel), or None where it would screen nothing (no bfloat16, no int4 kernel): ``dense`` alone."""
+        kernel), or None where it would screen nothing (no bfloat16, float16 or int4 kernel): ``dense`` alone."""
         if bf16_fast and cls.works():
-            return cls(table)
-        return cls(table, dense) if Int4Screen.fits(table) else None
+            return cls(table, int4_rows=int4_rows)
+        if fp16_gemm_works():
+            return cls(table, "float16", int4_rows=int4_rows)
+        return cls(table, "float32", dense, int4_rows) if Int4Screen.fits(table) else None
+
+    def _int4_screens(self, rows: int, greedy: bool) -> bool:
+        return greedy and self.int4 is not None and rows <= self.int4_rows
 
     def step_nbytes(self, rows: int, greedy: bool = False) -> int:
-        """Bytes of weights a step of ``rows`` rows reads: the bf16 table once, SCREEN_TOP float32 rows a
-        row (``greedy``: the 4-bit table once, the recomputed rows left out, some tens a row)."""
+        """Bytes of weights a step of ``rows`` rows reads: the half-precision table once, SCREEN_TOP float32
+        rows a row (``greedy`` up to ``int4_rows``: the 4-bit table once, the recomputed rows left out)."""
         vocab, hidden = self.table.shape
-        if greedy and self.int4 is not None:
+        if self._int4_screens(rows, greedy):
             return self.int4.weight.nbytes
         if self.exact:
             return vocab * hidden * 4
@@ -76,11 +99,14 @@ class ScreenedHead:
     def __call__(self, x: torch.Tensor, greedy: bool = False) -> torch.Tensor:
         """``greedy``: only each row's argmax will be read (it is float32's; the other logits may be rough)."""
         x = x.float()
-        if greedy and self.int4 is not None:
+        if self._int4_screens(x.shape[0], greedy):
             return self._greedy(x)
-        if self.exact:
+        if self.kind == "float32":
             return self.kernel(x, self.screen, None)
-        logits = self.kernel(x.to(torch.bfloat16), self.screen, None).float()
+        if self.kind == "float16":
+            logits = fp16_linear(x, self.screen)
+        else:
+            logits = self.kernel(x.to(torch.bfloat16), self.screen, None).float()
         self._recompute_top(x, logits)
         return logits
 

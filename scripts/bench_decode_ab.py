@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""One decode step (B=1 unless ``--batch``), before against after a change: each git revision's tree is exported to a temp
-folder and timed in its own process (forward + greedy sampling, ``--steps`` steps), the revisions
-alternating order over ``--rounds``; the table gives every revision's min and median wall time of a
-step and its median CPU time (the process's, each the median over rounds), with their ratios to the
+"""One decode step (B=1 unless ``--batch``), before against after a change: each git revision's tree
+is exported to a temp folder and timed in its own process (forward + greedy sampling, ``--steps``
+steps), the revisions alternating order over ``--rounds``; the table gives every revision's min and
+median wall time of a step and its median CPU time (the process's, each the median over rounds), with their ratios to the
 first. On a shared machine the CPU time is the steady figure: it leaves out the time the process
 waited for a core (at one thread it is the step's own cost; at more it sums the threads).
 

@@ -234,7 +234,8 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
     many = (f"a {name} copy above ({copy_bytes / 2**30:.2f} GiB)" if use_copy
             else f"dequantized {name} above" + ("" if copy_fits or not copy_params else
                                                 f" (a {copy_bytes / 2**30:.2f} GiB copy would not fit)"))
-    return Int4Plan(max_rows, dense_dtype, f"int4 up to {max_rows} row{'s' if max_rows > 1 else ''}, {many}, on {n}x{k} ({detail})", use_copy)
+    up_to = f"int4 up to {max_rows} row{'s' if max_rows > 1 else ''}"
+    return Int4Plan(max_rows, dense_dtype, f"{up_to}, {many}, on {n}x{k} ({detail})", use_copy)
 
 
 _PLANS: dict[tuple[tuple[int, int], bool, int], Int4Plan] = {}

@@ -248,8 +248,8 @@ class LlamaModel(nn.Module):
         if self._screened_head is not None:
             self._head = None
             screened = self._screened_head
-            log.info("LM head: %s; plain greedy steps of up to %d rows a 4-bit screen", "float32" if screened.exact
-                     else f"{screened.kind} screen, the top logits of each row recomputed in float32", screened.int4_rows)
+            kind = "float32" if screened.exact else f"{screened.kind} screen, each row's top logits in float32"
+            log.info("LM head: %s; plain greedy steps of up to %d rows a 4-bit screen", kind, screened.int4_rows)
         else:
             self._head = self.head_linear.prepare(head) if self.lm_head is None else take(head, "lm_head")
         if self._int4_parts:

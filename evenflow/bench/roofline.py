@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from evenflow.protocol import WorkerConfig
+from evenflow.worker.models.int4_linear import Int4CpuLinear
 from evenflow.worker.models.q4_blocks import Int4Weight
 from evenflow.worker.runner import ModelRunner
 from evenflow.worker.sampling_metadata import SamplingMetadata
@@ -69,16 +70,17 @@ def read_bandwidth(nbytes: int = 256 << 20, trials: int = 7, clock=time.perf_cou
     return nbytes / best
 
 
-def _nbytes(weight: torch.Tensor | Int4Weight) -> int:
+def _nbytes(weight: torch.Tensor | Int4Weight, linear: object = None, rows: int = 1) -> int:
     if isinstance(weight, Int4Weight):
-        return weight.nbytes
+        return linear.step_nbytes(weight, rows) if isinstance(linear, Int4CpuLinear) else weight.nbytes
     return weight.numel() * weight.element_size()
 
 
 def decode_step_bytes(runner: ModelRunner, batch: int, context: int) -> tuple[int, int]:
     """(weight bytes, KV bytes) one greedy decode step of ``batch`` sequences at ``context`` tokens reads."""
     model = runner.model
-    weights = sum(_nbytes(getattr(w, name)) for w in model._linears for name in ("qkv", "o", "gate_up", "down"))
+    weights = sum(_nbytes(getattr(w, name), model.linear, batch) for w in model._linears
+                  for name in ("qkv", "o", "gate_up", "down"))
     weights += sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name.endswith("norm"))
     head = model._screened_head
     weights += _nbytes(model._head) if head is None else head.step_nbytes(batch, greedy=True)

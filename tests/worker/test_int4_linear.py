@@ -127,6 +127,7 @@ def test_a_float16_copy_computes_the_linear_of_the_values_rounded_to_float16() -
     assert not torch.equal(values.half().float(), values)  # the rounding is real, and the copy computes it
     int4_only = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.float32, "test"))
     assert torch.equal(kernel(x[:8], copied), int4_only(x[:8], weight))  # up to 8 rows: int4, the copy unread
+    assert kernel.step_nbytes(copied, 8) == weight.nbytes and kernel.step_nbytes(copied, 9) == 192 * 576 * 2
 
 @pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
 def test_a_dense_copy_computes_exactly_what_dequantizing_per_step_does(dense_dtype: torch.dtype) -> None:

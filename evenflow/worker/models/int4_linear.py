@@ -101,6 +101,12 @@ class Int4CpuLinear:
             y = in_row_tiles(lambda rows: F.linear(rows, dense), x.to(act)).to(x.dtype)
         return y if bias is None else y + bias
 
+    def step_nbytes(self, weight: Int4Weight, rows: int) -> int:
+        """Bytes of ``weight`` a step of ``rows`` rows reads: the 4-bit weight, or the dense copy it reads."""
+        if rows <= self.plan.max_int4_rows or weight.dense is None:
+            return weight.nbytes
+        return weight.out_features * weight.in_features * self.plan.dense_dtype.itemsize
+
     def with_dense_copy(self, weight: Int4Weight) -> Int4Weight:
         """``weight`` with its dense copy for many-row steps, when the plan keeps one."""
         if not self.plan.dense_copy:

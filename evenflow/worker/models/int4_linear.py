@@ -56,6 +56,10 @@ class Int4Plan:
     reason: str
     dense_copy: bool = False  # many-row steps read a dense copy made at load instead of dequantizing
 
+    def takes_int4(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows runs on the int4 kernel (else on the dense path)."""
+        return rows <= self.max_int4_rows
+
     @property
     def dense_act_dtype(self) -> torch.dtype:
         """The dtype many-row steps compute in: float16 weights take float32 activations."""
@@ -78,14 +82,14 @@ class Int4CpuLinear:
         not cast, and the result comes back in ``x``'s dtype."""
         if type(weight) is not Int4Weight:
             return self.dense.act_dtype(weight, rows)
-        return torch.bfloat16 if rows <= self.plan.max_int4_rows else self.plan.dense_act_dtype
+        return torch.bfloat16 if self.plan.takes_int4(rows) else self.plan.dense_act_dtype
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None
                  ) -> torch.Tensor:
         if type(weight) is not Int4Weight:
             want = self.dense.act_dtype(weight, x.shape[0])
             return self.dense(x if x.dtype == want else x.to(want), weight, bias)
-        if x.shape[0] <= self.plan.max_int4_rows:
+        if self.plan.takes_int4(x.shape[0]):
             if x.dtype == torch.bfloat16:  # the model's usual call (act_dtype): no casts, ~3 us less a call
                 y = _INT4_MM(x, weight.packed, GROUP, weight.scale_zeros)
             else:
@@ -103,7 +107,7 @@ class Int4CpuLinear:
 
     def step_nbytes(self, weight: Int4Weight, rows: int) -> int:
         """Bytes of ``weight`` a step of ``rows`` rows reads: the 4-bit weight, or the dense copy it reads."""
-        if rows <= self.plan.max_int4_rows or weight.dense is None:
+        if self.plan.takes_int4(rows) or weight.dense is None:
             return weight.nbytes
         return weight.out_features * weight.in_features * self.plan.dense_dtype.itemsize
 
@@ -208,11 +212,11 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
         fp16_fits = fp16_gemm_works() and 0 < copy_params * 2 <= DENSE_COPY_RAM_SHARE * available
         from_fp16 = _from_memory(dense[torch.float32], fp16=True) if fp16_fits else None
 
+        copies = [f for f in (from_copy, from_fp16) if f is not None]
         probes: list[tuple[int, float, float, float, float]] = []  # rows, int4, dequantized, copy, fp16 (s)
         for rows in _PROBE_ROWS:
             x = big[:rows]
             xd = x.to(dense_dtype)
-            copies = [f for f in (from_copy, from_fp16) if f is not None]
             int4_s, matmul_s, *copy_s = time_min([
                 lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), weight.packed, GROUP,
                                                                    weight.scale_zeros),

@@ -26,8 +26,11 @@ LONG_CHUNKS = ((300, 300), (64, 600), (5, 541), (16, 16))
 
 def build_case(block_size: int, device: str, seed: int = 0, num_decodes: int = 20,
                chunks: tuple[tuple[int, int], ...] = SHORT_CHUNKS, max_decode_len: int = 90,
-               dtype: torch.dtype = torch.float32):
+               dtype: torch.dtype = torch.float32, ranges: bool = False):
     """(inputs, q, k, v, caches, reference output). ``chunks``: (new tokens, context length).
+    ``ranges``: each request's blocks one range of ids, in turn ascending, descending and shuffled
+    (what the in-place path reads), every fourth request's drawn at random from the whole cache as
+    they all are otherwise.
 
     Inputs and cache are drawn in float32 and rounded to ``dtype``; the reference is computed in
     float32 from the rounded values, so a backend is judged only on its own arithmetic."""
@@ -40,7 +43,16 @@ def build_case(block_size: int, device: str, seed: int = 0, num_decodes: int = 2
     max_blocks = -(-max(ctx_lens) // block_size)
     num_blocks = len(q_lens) * max_blocks + 3
     perm = rng.permutation(num_blocks)
+    if ranges:  # the random rows from ids above every range
+        num_blocks += len(q_lens) * max_blocks
+        perm += len(q_lens) * max_blocks
     table = perm[: len(q_lens) * max_blocks].reshape(len(q_lens), max_blocks).astype(np.int32)
+    if ranges:
+        for i in range(len(q_lens)):
+            used = -(-ctx_lens[i] // block_size)
+            order = (np.arange(used), np.arange(used)[::-1], rng.permutation(used), None)[i % 4]
+            if order is not None:  # ids i * max_blocks on are this request's alone
+                table[i, :used] = i * max_blocks + order
     def draw(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(dtype).float()
 
@@ -85,19 +97,23 @@ def build_case(block_size: int, device: str, seed: int = 0, num_decodes: int = 2
 
 
 def check_backend(backend_cls: type[AttentionBackend], block_size: int, device: str, atol: float = 1e-4,
-                  dtype: torch.dtype = torch.float32, long: bool = False) -> None:
+                  dtype: torch.dtype = torch.float32, long: bool = False, ranges: bool = False) -> object:
+    """Check the backend on one case; return its plan."""
     case = dict(chunks=LONG_CHUNKS, max_decode_len=700) if long else {}
-    inputs, q, k, v, caches, ref, (heads, hkv, d) = build_case(block_size, device, dtype=dtype, **case)
+    inputs, q, k, v, caches, ref, (heads, hkv, d) = build_case(block_size, device, dtype=dtype, ranges=ranges,
+                                                               **case)
     backend = backend_cls(heads, hkv, d, d**-0.5, dtype)
     caches = (caches[0].to(dtype), caches[1].to(dtype))
     k, v = k.to(dtype), v.to(dtype)
-    out = backend.forward(q.to(dtype), k, v, caches, backend.plan(inputs))
+    plan = backend.plan(inputs)
+    out = backend.forward(q.to(dtype), k, v, caches, plan)
     assert out.shape == ref.shape
     torch.testing.assert_close(out.float().cpu(), ref, atol=atol, rtol=atol)
     # The new K/V landed at their slots, exactly as given in the cache's dtype (a copy, no arithmetic).
     slots = inputs.slot_mapping.to(caches[0].device)
     torch.testing.assert_close(caches[0].view(-1, hkv, d)[slots], k, atol=0, rtol=0)
     torch.testing.assert_close(caches[1].view(-1, hkv, d)[slots], v, atol=0, rtol=0)
+    return plan
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -214,3 +230,35 @@ def test_torch_backend_with_many_small_decode_groups(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(torch_paged, "GROUP_TARGET_BYTES", 4096)
     check_backend(TorchPagedAttention, 4, "cpu")
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("long", [False, True])
+def test_contexts_in_one_block_range_are_read_in_place(monkeypatch: pytest.MonkeyPatch, block_size: int,
+                                                       long: bool) -> None:
+    """Lone decodes and chunk contexts whose blocks are one range of ids (ascending, descending,
+    shuffled) are read as views of the range, with the last block's unused tail masked wherever the
+    order puts it, and match the reference; contexts that are not one range are gathered."""
+    import evenflow.worker.attention.torch_paged as torch_paged
+
+    monkeypatch.setattr(torch_paged, "GROUP_TARGET_BYTES", 1)  # every decode its own group
+    plan = check_backend(TorchPagedAttention, block_size, "cpu", long=long, ranges=True)
+    in_place = [g for g in plan.decode_groups if g.first_block is not None]
+    assert in_place and all(g.block_ids is None for g in in_place)
+    assert any(g.first_block is None for g in plan.decode_groups)  # drawn from the whole cache: gathered
+    split = [c for c in plan.chunks if c.first_block is not None]
+    assert split and all(c.block_ids is None for c in split)
+    if not long:  # a descending context after a partial block (masked) and an aligned one (sliced)
+        assert {c.key_mask is None for c in split} == {True, False}
+
+
+def test_in_place_range_masks_the_unused_tail_where_the_order_puts_it() -> None:
+    from evenflow.worker.attention.torch_paged import in_place_range
+
+    assert in_place_range(np.array([7, 9, 8]), 10, 4)[0] == 7  # a range, shuffled
+    first, visible = in_place_range(np.array([5, 6, 7]), 10, 4)
+    assert first == 5 and visible.tolist() == [True] * 10 + [False] * 2  # ascending: the first 10 slots
+    first, visible = in_place_range(np.array([7, 6, 5]), 10, 4)
+    # block 5 holds tokens 8-9 (its slots 0-1), block 7 tokens 0-3
+    assert first == 5 and visible.tolist() == [True, True, False, False] + [True] * 8
+    assert in_place_range(np.array([3, 5, 6]), 10, 4) is None

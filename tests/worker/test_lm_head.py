@@ -65,7 +65,7 @@ def test_int4_model_serves_the_screened_head_and_float32_keeps_the_dense_one(che
     dense = make_runner(model, num_blocks=16, block_size=16, max_model_len=64, quantization="none").model
     assert isinstance(int4._screened_head, ScreenedHead) and int4._head is None
     assert int4._screened_head.kind == ("bfloat16" if BF16_FAST else "float16" if fp16_gemm_works() else "float32")
-    assert int4._screened_head.int4_rows == int4.int4_plan.max_int4_rows
+    assert 0 <= int4._screened_head.int4_rows <= int4.int4_plan.max_int4_rows  # its own crossover, measured
     assert dense._screened_head is None and dense._head is not None
 
 
@@ -123,3 +123,25 @@ def test_greedy_steps_above_the_int4_rows_take_the_other_screen(kind: str) -> No
     assert head.step_nbytes(6, greedy=True) == head.step_nbytes(6) > head.int4.weight.nbytes
     assert torch.equal(head(x, greedy=True), head(x))  # 6 rows: the screen every step takes, not the 4-bit one
     assert not torch.equal(head(x[:4], greedy=True), head(x[:4]))  # 4 rows: the 4-bit screen's rough tail
+
+
+def test_the_4bit_screens_rows_are_the_heads_own_crossover(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 4-bit screen's cost grows with the rows (it dequantizes per row), the other screen's hardly:
+    the head takes it up to the last probe it won, never above the cap."""
+    import evenflow.worker.models.lm_head as lm_head
+
+    table = torch.randn(256, 64)
+    head = head_of(table, "float32")
+    timed: list[int] = []
+
+    def fake_time_min(fns: list) -> list[float]:
+        rows = len(timed) + 1
+        timed.append(rows)
+        return [float(1 << (rows - 1)), 3.0]  # 4-bit: 1, 2, 4, ... against 3
+
+    monkeypatch.setattr(lm_head, "time_min", fake_time_min)
+    assert head.measured_int4_rows(8) == 2 and len(timed) == 3  # stops at the first probe it loses
+    timed.clear()
+    assert head.measured_int4_rows(1) == 1 and head.measured_int4_rows(0) == 0
+    head.int4 = None
+    assert head.measured_int4_rows(8) == 0

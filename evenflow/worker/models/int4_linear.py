@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -254,25 +255,31 @@ _PLANS: dict[tuple[tuple[int, int], bool, int], Int4Plan] = {}
 _PLAN_ATTEMPTS = 3
 
 
+@contextmanager
+def on_every_core() -> Iterator[None]:
+    """torch on every usable core for a start-up measurement: a step of more than a few rows on a real
+    model is a long step (evenflow/worker/threads.py), and the kernels scale differently with threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(usable_cores())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int = 0) -> Int4Plan:
     """``measure_int4_plan`` once per process and shape, on every usable core, logged."""
     key = (shape, bf16_fast, copy_params)
     if key not in _PLANS:
         t0 = time.perf_counter()
-        # On the threads a long step runs on (every usable core): a step of more than a few rows on a
-        # real model is a long step (evenflow/worker/threads.py), and the kernels scale differently
-        # with threads. On a 2-core AVX2 EPYC the int4 kernel halves on 2 threads and a float32 GEMM
-        # of a few rows, bound by memory, does not: int4 won up to 8 rows on one thread, ~30 on two.
-        threads = torch.get_num_threads()
-        torch.set_num_threads(usable_cores())
-        try:
+        # On a 2-core AVX2 EPYC the int4 kernel halves on 2 threads and a float32 GEMM of a few rows,
+        # bound by memory, does not: int4 won up to 8 rows on one thread, ~30 on two.
+        with on_every_core():
             for attempt in range(1, _PLAN_ATTEMPTS + 1):
                 plan = measure_int4_plan(shape, bf16_fast, copy_params)
                 if plan.max_int4_rows > 0 or not layout_matches() or attempt == _PLAN_ATTEMPTS:
                     break
                 log.info("int4 linear plan measured again (attempt %d said: %s)", attempt, plan.reason)
             _PLANS[key] = plan
-        finally:
-            torch.set_num_threads(threads)
         log.info("int4 linear plan (measured in %.2f s): %s", time.perf_counter() - t0, plan.reason)
     return _PLANS[key]

@@ -25,14 +25,18 @@ Used where the projections are int4. The bfloat16 screen only where the CPU has 
 a float16 screen, FBGEMM's float16-weight GEMM (models/fp16_gemm.py; the same 57 MB, and its tail
 logits within float16's 2^-11 rather than bfloat16's 2^-8), where the float32 table took 12 ms a
 one-row step on a 2-core AVX2 EPYC (the 4-bit screen 2.3 ms, the float16 one ~3). Where neither
-exists the float32 table computes every logit. The 4-bit screen is taken up to ``int4_rows`` rows
-(the int4 plan's crossover: it dequantizes per row like the projections' kernel), the other above.
+exists the float32 table computes every logit. The 4-bit screen is taken up to ``int4_rows`` rows,
+the other above: its kernel dequantizes per row, so its cost grows with the rows where a
+half-precision screen's, bound by its bytes, hardly does, and the crossover is the head's own, timed
+at start-up (``for_cpu``): SmolLM2's head on a 2-core Xeon with AMX took 0.75 ms 4-bit against 1.21
+bfloat16 at one row, 2.60 against 1.22 at eight, where the projections' plan keeps int4 to 8 rows.
 """
 
 from __future__ import annotations
 
 import torch
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_fp16
+from evenflow.worker.models.int4_linear import on_every_core, time_min
 from evenflow.worker.models.linear import Linear, PackedCpuLinear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack
 
@@ -74,10 +78,41 @@ class ScreenedHead:
         """The head for this CPU (``bf16_fast``: native bfloat16; ``dense``: the model's float32 head
         kernel), or None where it would screen nothing (no bfloat16, float16 or int4 kernel): ``dense`` alone."""
         if bf16_fast and cls.works():
-            return cls(table, int4_rows=int4_rows)
-        if fp16_gemm_works():
-            return cls(table, "float16", int4_rows=int4_rows)
-        return cls(table, "float32", dense, int4_rows) if Int4Screen.fits(table) else None
+            head = cls(table, int4_rows=int4_rows)
+        elif fp16_gemm_works():
+            head = cls(table, "float16", int4_rows=int4_rows)
+        elif Int4Screen.fits(table):
+            head = cls(table, "float32", dense, int4_rows)
+        else:
+            return None
+        head.int4_rows = head.measured_int4_rows(int4_rows)
+        return head
+
+    def measured_int4_rows(self, cap: int) -> int:
+        """The most rows, of 1, 2, 4, ... and ``cap``, up to ``cap``, at which the 4-bit screen's GEMM
+        beat the other screen's on this table (min of interleaved trials, on every core); 0: never, or
+        no 4-bit screen."""
+        if self.int4 is None or cap < 1:
+            return 0
+        probes = sorted({cap, *(1 << i for i in range(cap.bit_length()) if 1 << i <= cap)})
+        g = torch.Generator().manual_seed(0)
+        best = 0
+        with on_every_core(), torch.inference_mode():
+            for rows in probes:
+                x = torch.randn(rows, self.table.shape[1], generator=g)
+                int4_s, other_s = time_min([lambda: self.int4(x), lambda: self._screen_logits(x)])
+                if int4_s >= other_s:
+                    break
+                best = rows
+        return best
+
+    def _screen_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Every logit of float32 ``x`` from the screen table (float32's own for the float32 kind)."""
+        if self.kind == "float32":
+            return self.kernel(x, self.screen, None)
+        if self.kind == "float16":
+            return fp16_linear(x, self.screen)
+        return self.kernel(x.to(torch.bfloat16), self.screen, None).float()
 
     def _int4_screens(self, rows: int, greedy: bool) -> bool:
         return greedy and self.int4 is not None and rows <= self.int4_rows
@@ -101,13 +136,9 @@ class ScreenedHead:
         x = x.float()
         if self._int4_screens(x.shape[0], greedy):
             return self._greedy(x)
-        if self.kind == "float32":
-            return self.kernel(x, self.screen, None)
-        if self.kind == "float16":
-            logits = fp16_linear(x, self.screen)
-        else:
-            logits = self.kernel(x.to(torch.bfloat16), self.screen, None).float()
-        self._recompute_top(x, logits)
+        logits = self._screen_logits(x)
+        if not self.exact:
+            self._recompute_top(x, logits)
         return logits
 
     def _greedy(self, x: torch.Tensor) -> torch.Tensor:

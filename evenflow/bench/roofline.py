@@ -85,7 +85,7 @@ def decode_step_bytes(runner: ModelRunner, batch: int, context: int) -> tuple[in
     head = model._screened_head
     weights += _nbytes(model._head) if head is None else head.step_nbytes(batch, greedy=True)
     weights += batch * model.embed.shape[1] * model.embed.element_size()
-    kv_elem = torch.empty(0, dtype=runner.torch_dtype).element_size()
+    kv_elem = torch.empty(0, dtype=runner.kv_dtype).element_size()
     kv = 2 * model.cfg.num_layers * batch * context * model.num_kv_heads * model.cfg.head_dim * kv_elem
     return weights, kv
 

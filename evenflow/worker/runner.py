@@ -94,8 +94,9 @@ class ModelRunner:
                      effective_quantization(config.quantization, config.dtype))
         self.model.eval()
         cfg = self.model_config
+        self.kv_dtype = self.model.kv_dtype
         self.attn = backend_cls(self.model.num_heads, self.model.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,
-                                self.torch_dtype)
+                                self.kv_dtype)
         self.batch = PersistentBatch(config.max_num_seqs, config.max_model_len, self.block_size, self.device)
         self.sampler = Sampler()
         self.forward_timer = ForwardTimer(self.device)
@@ -111,7 +112,7 @@ class ModelRunner:
 
     def _block_bytes(self) -> int:
         return bytes_per_block(self.model_config.num_layers, self.block_size, self.model.num_kv_heads,
-                               self.model_config.head_dim, self.torch_dtype)
+                               self.model_config.head_dim, self.kv_dtype)
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks this rank can hold: ``num_kv_blocks`` if set, else from memory and what the
@@ -129,7 +130,7 @@ class ModelRunner:
         else:
             size = cpu_kv_cache_size(self._block_bytes(), c.kv_cache_memory, c.world_size, usable)
         log.info("KV cache of rank %d: %d blocks of %d tokens (%.2f GiB, %s): %s", c.rank, size.num_blocks,
-                 self.block_size, size.num_blocks * self._block_bytes() / 2**30, self.dtype, size.reason)
+                 self.block_size, size.num_blocks * self._block_bytes() / 2**30, str(self.kv_dtype)[6:], size.reason)
         return size.num_blocks
 
     def profile_forward(self) -> None:
@@ -171,7 +172,7 @@ class ModelRunner:
 
     def _scratch_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return allocate_kv_cache(self.model_config.num_layers, num_blocks, self.block_size, self.model.num_kv_heads,
-                                 self.model_config.head_dim, self.torch_dtype, self.device)
+                                 self.model_config.head_dim, self.kv_dtype, self.device)
 
     def _run_synthetic(self, step: SyntheticStep, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         return self.model(step.input_ids, step.positions, caches, self.attn, self.attn.plan(step.attn),
@@ -182,7 +183,7 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.kv_caches = allocate_kv_cache(self.model_config.num_layers, num_blocks, self.block_size,
-                                           self.model.num_kv_heads, self.model_config.head_dim, self.torch_dtype,
+                                           self.model.num_kv_heads, self.model_config.head_dim, self.kv_dtype,
                                            self.device)
         if self.device.type == "cuda":
             self.warm_up()

@@ -222,9 +222,11 @@ class TorchPagedAttention(AttentionBackend):
         o_ctx, lse_ctx = o_ctx.reshape(1, self.num_heads, n, d), lse_ctx.reshape(1, self.num_heads, n, 1)
         o_new, lse_new = _flash_cpu(qc, k_new.transpose(0, 1)[None], v_new.transpose(0, 1)[None], 0.0, True,
                                     scale=self.scale)
-        # Softmax over both key sets = each part weighted by its share of the total exp-sum.
-        w_ctx = torch.sigmoid(lse_ctx - lse_new.reshape(1, self.num_heads, n, 1)).to(o_ctx.dtype)
-        return o_new + w_ctx * (o_ctx - o_new)
+        # Softmax over both key sets = each part weighted by its share of the total exp-sum (in float32:
+        # a bfloat16 cache's outputs are merged without a bfloat16 rounding per op).
+        w_ctx = torch.sigmoid(lse_ctx - lse_new.reshape(1, self.num_heads, n, 1))
+        o_new = o_new.float()
+        return (o_new + w_ctx * (o_ctx.float() - o_new)).to(o_ctx.dtype)
 
 
 # PyTorch's fused CPU attention, which also returns each query's log-sum-exp (F.scaled_dot_product_attention

@@ -222,11 +222,10 @@ class TorchPagedAttention(AttentionBackend):
         o_ctx, lse_ctx = o_ctx.reshape(1, self.num_heads, n, d), lse_ctx.reshape(1, self.num_heads, n, 1)
         o_new, lse_new = _flash_cpu(qc, k_new.transpose(0, 1)[None], v_new.transpose(0, 1)[None], 0.0, True,
                                     scale=self.scale)
-        # Softmax over both key sets = each part weighted by its share of the total exp-sum (in float32:
-        # a bfloat16 cache's outputs are merged without a bfloat16 rounding per op).
+        # Softmax over both key sets = each part weighted by its share of the total exp-sum: one lerp in
+        # float32 (a bfloat16 cache's outputs rounded once, not at each of three bfloat16 ops).
         w_ctx = torch.sigmoid(lse_ctx - lse_new.reshape(1, self.num_heads, n, 1))
-        o_new = o_new.float()
-        return (o_new + w_ctx * (o_ctx.float() - o_new)).to(o_ctx.dtype)
+        return torch.lerp(o_new.float(), o_ctx.float(), w_ctx).to(o_ctx.dtype)
 
 
 # PyTorch's fused CPU attention, which also returns each query's log-sum-exp (F.scaled_dot_product_attention

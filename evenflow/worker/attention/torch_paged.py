@@ -19,9 +19,9 @@ SDPA per prefill chunk.
 * In place: a context whose blocks are one range of block ids (in any order: a lone stream's blocks
   come off the free queue in runs) is read as a view of that range, no gather. Keys are visible in
   any order, so the order only decides which slots a key mask hides (the last block's unused tail).
-  On a 2-core Xeon a lone decode's attention took 17 against 33 us a layer at 130 tokens of context,
-  130 against 335 at 2,000 (gathered copies are written and read again, and at 2 threads the small
-  copies pay the threads' wake-up).
+  On a 2-core Xeon a lone decode's attention took 17 against 34 us a layer at 130 tokens of context,
+  130 against 317 at 2,000 (`scripts/probe_kernel_choices.py --only attention`: gathered copies are
+  written and read again, and at 2 threads the small copies pay the threads' wake-up).
 """
 
 from __future__ import annotations

@@ -137,8 +137,8 @@ class LlamaModel(nn.Module):
         self.int4_required = False  # --quantization gguf: 4-bit even where the measurement says it is slower
         # The KV cache's dtype (set by finish_loading): the model's, or bfloat16 beside int4 projections
         # on a CPU with native bf16, where V comes out of the int4 kernel in bfloat16 already and a
-        # bfloat16 cache halves the K/V bytes every decode reads (SDPA 65 against 82 us a layer at
-        # 8 x 130 tokens, 119 against 190 at 8 x 250, on a 2-core Xeon with AMX).
+        # bfloat16 cache halves the K/V bytes every decode reads (SDPA 67 against 80 us a layer at
+        # 8 x 130 tokens, 121 against 196 at 8 x 250, on a 2-core Xeon with AMX: probe_kernel_choices.py).
         self.kv_dtype = dtype
         self.int4_plan: Int4Plan | None = None  # the start-up measurement's choice, where 4-bit parts were loaded
 

@@ -28,8 +28,9 @@ one-row step on a 2-core AVX2 EPYC (the 4-bit screen 2.3 ms, the float16 one ~3)
 exists the float32 table computes every logit. The 4-bit screen is taken up to ``int4_rows`` rows,
 the other above: its kernel dequantizes per row, so its cost grows with the rows where a
 half-precision screen's, bound by its bytes, hardly does, and the crossover is the head's own, timed
-at start-up (``for_cpu``): SmolLM2's head on a 2-core Xeon with AMX took 0.75 ms 4-bit against 1.21
-bfloat16 at one row, 2.60 against 1.22 at eight, where the projections' plan keeps int4 to 8 rows.
+at start-up (``for_cpu``): SmolLM2's head on a 2-core Xeon with AMX took 0.79 ms 4-bit against 1.27
+bfloat16 at one row, 2.69 against 1.43 at eight, where the projections' plan keeps int4 to 8 rows
+(``scripts/probe_kernel_choices.py --only head``).
 """
 
 from __future__ import annotations

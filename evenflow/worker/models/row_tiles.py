@@ -10,8 +10,9 @@ milliseconds, which every step would pay again. So a GEMM of m rows runs on m ro
 (decode batches: exact, as a decode step is bound by weight traffic and padding would cost
 its share), else on tiles of 2048 rows and a tail rounded up to one of 8 sizes per octave (at most
 12.5% of the tail is padding). The tiles are as large as the default token budget because smaller
-ones cost a step's GEMMs: on a 2-core Xeon with AMX, 2042 rows in 512-row tiles took 1.5-2x one
-call in bfloat16 (gate_up 3.03 against 1.98 ms, down 2.57 against 1.26) and 1.04-1.15x in float32.
+ones cost a step's GEMMs: on a 2-core Xeon with AMX, 2042 rows in 512-row tiles took 1.5-2.1x one
+call in bfloat16 (gate_up 3.21 against 2.10 ms, down 2.67 against 1.26) and 1.08-1.09x in float32
+(``scripts/probe_kernel_choices.py --only tiles``).
 """
 
 from __future__ import annotations

@@ -94,7 +94,6 @@ class ModelRunner:
                      effective_quantization(config.quantization, config.dtype))
         self.model.eval()
         cfg = self.model_config
-        self.kv_dtype = self.model.kv_dtype
         self.attn = backend_cls(self.model.num_heads, self.model.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,
                                 self.kv_dtype)
         self.batch = PersistentBatch(config.max_num_seqs, config.max_model_len, self.block_size, self.device)
@@ -109,6 +108,11 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobsTracker()
 
     # ------------------------------------------------------------------ KV cache
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: the model's choice (``LlamaModel.kv_dtype``)."""
+        return self.model.kv_dtype
 
     def _block_bytes(self) -> int:
         return bytes_per_block(self.model_config.num_layers, self.block_size, self.model.num_kv_heads,

@@ -245,13 +245,13 @@ class LlamaModel(nn.Module):
                                 take(layer.gate_up, p + "gate_up"), take(layer.down, p + "down"))
 
         self._linears = [layer_linears(i, layer) for i, layer in enumerate(self.layers)]
-        if isinstance(self.linear, Int4CpuLinear) and self.dtype == torch.float32 and cpu_has_fast_path(torch.bfloat16):
-            self.kv_dtype = torch.bfloat16
         head = self.embed if self.lm_head is None else self.lm_head
         if isinstance(self.linear, Int4CpuLinear) and self.dtype == torch.float32:
+            bf16_fast = cpu_has_fast_path(torch.bfloat16)
+            self.kv_dtype = torch.bfloat16 if bf16_fast else self.dtype
             # reads the float32 table as loaded
-            self._screened_head = ScreenedHead.for_cpu(head.detach(), cpu_has_fast_path(torch.bfloat16),
-                                                       self.head_linear, self.int4_plan.max_int4_rows)
+            self._screened_head = ScreenedHead.for_cpu(head.detach(), bf16_fast, self.head_linear,
+                                                       self.int4_plan.max_int4_rows)
         if self._screened_head is not None:
             self._head = None
             screened = self._screened_head

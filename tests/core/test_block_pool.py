@@ -102,3 +102,22 @@ def test_misuse_raises_errors_that_name_the_block_or_the_count() -> None:
         BlockPool(0)
     with pytest.raises(ValueError, match="^asked for 3 blocks, 2 free$"):
         BlockPool(2).get_new_blocks(3)
+
+
+def test_a_new_block_is_the_successor_of_the_one_before_when_nothing_there_can_be_hit() -> None:
+    """After ``after``, the next id is taken out of the queue's middle when free and unhashed or hashed
+    as the new block will be; a block in use or holding other KV is left, and the head serves."""
+    pool = BlockPool(8)
+    a, b, c, d = pool.get_new_blocks(4)
+    pool.cache_block(c, b"other")
+    pool.cache_block(d, b"mine")
+    pool.free_blocks([d, c, b])  # queue: 4 5 6 7 3 2 1
+    (x,) = pool.get_new_blocks(1, after=a)
+    assert x is b and pool.free_queue.block_ids() == [4, 5, 6, 7, 3, 2]  # unhashed: taken
+    (y,) = pool.get_new_blocks(1, after=b)
+    assert y.block_id == 4 and b"other" in pool.cached_blocks  # c holds other KV: the head
+    first, second = pool.get_new_blocks(2, after=c, hashes=[b"mine"])
+    assert first is d and d.block_hash is None and b"mine" not in pool.cached_blocks  # the same KV
+    assert second.block_id == 5  # e (4) is in use: the head
+    (z,) = pool.get_new_blocks(1, after=pool.blocks[7])  # the last id has no successor
+    assert z.block_id == 6

@@ -199,3 +199,28 @@ def test_prefix_cache_counters_add_up_over_admissions() -> None:
     for request_id in "abc":
         admit(kv, make_request(request_id, list(range(9))))
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (27, 16)  # hits of 0, 8 and 8 tokens
+
+
+def test_a_next_turn_continues_its_first_turns_range_of_blocks() -> None:
+    """A multi-turn chat's next prompt (the first turn's tokens and more) hits the first turn's full
+    blocks and continues after them in the same range of ids (the freed partial block), and a prompt
+    sent again takes its own last block back (the same KV), so the attention reads either in place."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    other = make_request("other", [90, 91, 92, 93])
+    admit(kv, other)  # block 0, so the free queue does not start at the first turn's ids
+    turn1 = make_request("t1", list(range(10)))
+    admit(kv, turn1)
+    assert kv.get_block_ids("t1") == [1, 2, 3]
+    kv.free(turn1)  # queue: 4 .. 15, then 3 2 1
+    turn2 = make_request("t2", list(range(10)) + [40, 41, 42, 43])
+    assert admit(kv, turn2) == 8
+    assert kv.get_block_ids("t2") == [1, 2, 3, 4]
+    kv.free(turn2)
+    again = make_request("again", list(range(10)) + [40, 41, 42, 43])
+    assert admit(kv, again) == 12
+    assert kv.get_block_ids("again") == [1, 2, 3, 4]
+    kv.free(again)
+    repeat = make_request("repeat", list(range(8)))  # a full last block: recomputed, and taken back
+    assert admit(kv, repeat) == 4
+    assert kv.get_block_ids("repeat") == [1, 2]
+    assert kv.get_computed_blocks(make_request("later", list(range(8)) + [7])).num_tokens == 8  # cached again

@@ -8,7 +8,7 @@ is handed out again (evicted), its hash is dropped from the map.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from evenflow.protocol.block_hash import BlockHash
 from evenflow.core.kv.events import KVEventLog
@@ -102,13 +102,26 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached_blocks.get(block_hash)
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
-        """Take ``num_blocks`` from the head of the free queue (evicting their hashes), ref 1 each."""
+    def get_new_blocks(self, num_blocks: int, after: KVBlock | None = None,
+                       hashes: Sequence[BlockHash] = ()) -> list[KVBlock]:
+        """Take ``num_blocks`` free blocks (evicting their hashes), ref 1 each: from the head of the free
+        queue, or, with ``after`` (the request's last block), each one the id after the block before it
+        where that block is free and holds nothing another request could hit (no hash, or ``hashes[i]``,
+        the hash the new block will hold: the same KV). A lone stream's context then stays one range of
+        ids, which the CPU attention reads in place (a multi-turn chat's next turn, a prompt sent again)."""
         if num_blocks > self.free_queue.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, {self.free_queue.num_free_blocks} free")
         blocks = []
-        for _ in range(num_blocks):
-            block = self.free_queue.popleft()
+        for i in range(num_blocks):
+            block = None
+            if after is not None and after.block_id + 1 < self.num_blocks:
+                successor = self.blocks[after.block_id + 1]
+                if successor.ref_cnt == 0 and (successor.block_hash is None
+                                               or (i < len(hashes) and successor.block_hash == hashes[i])):
+                    self.free_queue.remove(successor)
+                    block = successor
+            if block is None:
+                block = self.free_queue.popleft()
             if block.block_hash is not None:
                 del self.cached_blocks[block.block_hash]
                 if self.events is not None:
@@ -116,6 +129,7 @@ class BlockPool:
                 block.block_hash = None
             block.ref_cnt = 1
             blocks.append(block)
+            after = block
         return blocks
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:

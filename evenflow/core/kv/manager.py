@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from evenflow.protocol import KVCacheStats
-from evenflow.protocol.block_hash import extend_block_hashes
+from evenflow.protocol.block_hash import BlockHash, extend_block_hashes
 from evenflow.core.kv.block_pool import BlockPool, KVBlock
 from evenflow.core.request import Request, RequestStatus
 
@@ -92,7 +92,8 @@ class KVCacheManager:
         if num_new_blocks > 0:
             if num_new_blocks > self.pool.free_queue.num_free_blocks:
                 return None
-            new_blocks = self.pool.get_new_blocks(num_new_blocks)
+            new_blocks = self.pool.get_new_blocks(num_new_blocks, req_blocks[-1] if req_blocks else None,
+                                                  self._known_hashes(request, len(req_blocks)))
             req_blocks.extend(new_blocks)
         if self.enable_caching:
             # Only tokens that are known (not placeholders, not drafts) may be hashed.
@@ -117,7 +118,8 @@ class KVCacheManager:
             return None
         # Touch before allocating, so the allocation cannot evict a block of the hit.
         self.pool.touch(computed.blocks)
-        new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0))
+        last = computed.blocks[-1] if computed.blocks else None
+        new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0), last, self._known_hashes(request, num_hit_blocks))
         self.req_to_blocks[req_id] = computed.blocks + new_blocks
         self.num_cached_blocks[req_id] = num_hit_blocks
         if self.enable_caching:
@@ -128,6 +130,15 @@ class KVCacheManager:
                 self.prefix_cache_hits += computed.num_tokens
             self._cache_full_blocks(request, min(num_total_tokens, request.num_tokens) // self.block_size)
         return new_blocks
+
+    def _known_hashes(self, request: Request, first: int) -> list[BlockHash]:
+        """The hashes the request's blocks ``first`` on will hold, as far as their tokens are all known
+        (none without prefix caching)."""
+        if not self.enable_caching or first * self.block_size + self.block_size > request.num_tokens:
+            return []
+        extend_block_hashes(request.block_hashes, request.all_token_ids, request.num_tokens // self.block_size,
+                            self.block_size, request.cache_extra_keys)
+        return request.block_hashes[first:]
 
     def _cache_full_blocks(self, request: Request, num_full_blocks: int) -> None:
         req_id = request.request_id

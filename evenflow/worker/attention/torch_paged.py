@@ -17,7 +17,8 @@ SDPA per prefill chunk.
   share a KV head as G x q query rows of that head and reads each gathered key once for all of them.
   Elsewhere (the portable reference) they gather their context and use a bottom-right causal mask.
 * In place: a context whose blocks are one range of block ids (in any order: a lone stream's blocks
-  come off the free queue in runs) is read as a view of that range, no gather. Keys are visible in
+  come off the free queue in runs, and a new block is the successor of the one before where nothing
+  there can be hit: ``BlockPool.get_new_blocks``) is read as a view of that range, no gather. Keys are visible in
   any order, so the order only decides which slots a key mask hides (the last block's unused tail).
   On a 2-core Xeon a lone decode's attention took 17 against 34 us a layer at 130 tokens of context,
   130 against 317 at 2,000 (`scripts/probe_kernel_choices.py --only attention`: gathered copies are

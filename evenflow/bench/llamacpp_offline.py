@@ -5,7 +5,9 @@ llama.cpp reports prefill (S_PP) and decode (S_TG) tokens per second itself. For
 two figures come from two greedy runs of the same B prompts: ``max_tokens=1`` (the prefill and one
 sampled token: prefill tok/s = B * prompt / t1) and ``max_tokens=gen`` (decode tok/s =
 B * (gen - 1) / (t_gen - t1)), each the best of ``repeats``; every run goes through the engine-core
-and worker processes, as a user's ``LLM.generate`` does.
+and worker processes, as a user's ``LLM.generate`` does. Prefix caching is off, as
+llama-batched-bench starts each run from an empty KV cache: with it on, the runs after the first
+would prefill only each prompt's last block, and decode after a prefix hit.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ def evenflow_row(model: str, batch: int, prompt: int, gen: int, threads: int, re
     from evenflow.frontend.llm import LLM, SamplingParams
 
     kv = 2 * batch * (prompt + gen + 16) * 30 * 2 * 3 * 64 * 4  # SmolLM2-sized KV with room
+    args: dict[str, object] = {"no_enable_prefix_caching": True, **(engine_args or {})}
     llm = LLM(model, worker_threads=threads, kv_cache_memory=max(kv, 64 << 20), max_model_len=prompt + gen + 16,
-              max_num_seqs=max(batch, 1), **(engine_args or {}))
+              max_num_seqs=max(batch, 1), **args)
     try:
         rng = random.Random(batch)
         prompts = [[rng.randrange(100, 40000) for _ in range(prompt)] for _ in range(batch)]

@@ -215,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="cap on one request's prefill chunk per step (0: no cap)")
     a("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
       help="fcfs, or priority (smaller value first, then arrival)")
-    a("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-      help="turn off prefix caching")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+      help="prefix caching (on; --no-enable-prefix-caching turns it off)")
     a("--kv-cache-memory", type=parse_size, default=None,
       help="KV cache bytes per worker, on CPU and CUDA (e.g. 2GiB; default: CPU a share of free RAM, "
            "CUDA 90%% of the device after the weights and the largest step)")
@@ -232,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attention-backend", default=d.attention_backend, choices=("auto", "torch", "triton", "flash_attn"),
       help="attention kernels: auto picks flash_attn on CUDA when it imports and is >= 2.5.7 (half precision), "
            "else triton on CUDA, torch on CPU")
-    a("--no-async-scheduling", dest="async_scheduling", action="store_false",
-      help="turn off overlap (schedule step N+1 only after step N's results)")
+    a("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+      help="overlap: schedule step N+1 while step N runs (on; --no-async-scheduling schedules it after N's results)")
     a("--load-format", choices=("auto", "dummy"), default=d.load_format,
       help="auto: the GGUF file's or the folder's safetensors weights; dummy: random weights from the config alone")
     a("--max-frame-bytes", type=int, default=d.max_frame_bytes, help="largest frontend frame accepted")
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--request-timeout", type=float, default=d.request_timeout,
       help="seconds after which a request is aborted with request_timeout (0: none); a request's own "
            "timeout (X-Request-Timeout header, AddRequest.timeout_s) overrides it")
-    a("--allow-remote", action="store_true",
+    a("--allow-remote", action=argparse.BooleanOptionalAction, default=False,
       help="allow a --listen address that is not loopback or ipc:// (use --curve-keys with it)")
     a("--curve-keys", default=None,
       help="folder from `evenflow keygen DIR`: CURVE-encrypt the frontend link and serve only the frontends "
@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="node 0's address on the interface the hosts share (required with --nnodes > 1)")
     g.add_argument("--master-port", type=int, default=d.master_port,
                    help="torch.distributed rendezvous port on node 0; the next two carry steps and results")
-    g.add_argument("--headless", action="store_true", help="run only this host's worker ranks (node-rank >= 1)")
+    g.add_argument("--headless", action=argparse.BooleanOptionalAction, default=False, help="run only this host's worker ranks (node-rank >= 1)")
     g.add_argument("--dist-secret-file", default=None,
                    help="file with the secret shared by every host (default: $EVENFLOW_DIST_SECRET)")
     a("--speculative-config", type=_speculative_config, default=None,
@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
            '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (optional "disable_by_batch_size": N: '
            'no drafts while N or more requests run; default 16, null: never)')
     g = p.add_argument_group("LoRA adapters (docs/lora.md)")
-    g.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters of the model")
+    g.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False, help="serve PEFT LoRA adapters of the model")
     g.add_argument("--max-loras", type=int, default=d.max_loras, help="most adapters in one step (worker slots)")
     g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank accepted")
     g.add_argument("--max-cpu-loras", type=int, default=None,

@@ -97,12 +97,17 @@ class RequestOutput:
 
 
 def engine_args_to_flags(engine_args: dict[str, Any]) -> list[str]:
-    """``max_num_batched_tokens=64`` -> ``--max-num-batched-tokens 64``; ``flag=True`` -> ``--flag``."""
+    """``max_num_batched_tokens=64`` -> ``--max-num-batched-tokens 64``; ``flag=True`` -> ``--flag``,
+    ``flag=False`` -> ``--no-flag`` (every engine-core switch takes both: ``enable_prefix_caching=False``
+    turns the cache off, as in vLLM); None: the engine's default."""
     flags: list[str] = []
     for key, value in engine_args.items():
-        if value is None or value is False:
+        if value is None:
             continue
         flag = "--" + key.replace("_", "-")
+        if value is False:
+            flags.append("--no-" + key.replace("_", "-"))
+            continue
         if isinstance(value, dict):  # e.g. speculative_config={...}: the flag takes JSON
             value = json.dumps(value)
         if isinstance(value, (list, tuple)):  # e.g. lora_modules=["name=path", ...]

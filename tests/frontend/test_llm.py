@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -12,8 +13,29 @@ from evenflow.frontend.llm import engine_args_to_flags
 
 def test_engine_args_become_flags() -> None:
     assert engine_args_to_flags({"max_num_batched_tokens": 64, "no_async_scheduling": True, "dtype": "float32",
-                                 "seed": None, "x": False}) == ["--max-num-batched-tokens", "64",
-                                                               "--no-async-scheduling", "--dtype", "float32"]
+                                 "seed": None, "enable_lora": False}) == ["--max-num-batched-tokens", "64",
+                                                                          "--no-async-scheduling", "--dtype",
+                                                                          "float32", "--no-enable-lora"]
+
+
+def test_switches_given_as_false_reach_the_engine_as_vllm_users_write_them() -> None:
+    """``LLM(enable_prefix_caching=False)`` turns the cache off (it was dropped as "not given"), and
+    every engine-core switch takes True and False."""
+    from evenflow.core.engine_config import build_parser
+
+    parser = build_parser()
+    off = parser.parse_args(["--model", "m", *engine_args_to_flags({"enable_prefix_caching": False,
+                                                                     "async_scheduling": False})])
+    assert off.enable_prefix_caching is False and off.async_scheduling is False
+    on = parser.parse_args(["--model", "m", *engine_args_to_flags({"enable_prefix_caching": True, "async_scheduling": None,
+                                                                    "enable_lora": True, "allow_remote": False,
+                                                                    "headless": False})])
+    assert on.enable_prefix_caching and on.async_scheduling and on.enable_lora
+    assert not on.allow_remote and not on.headless
+    switches = [a for a in parser._actions if isinstance(a, argparse.BooleanOptionalAction)]
+    plain = [a.option_strings for a in parser._actions if a.nargs == 0 and a.dest != "help"
+             and not isinstance(a, argparse.BooleanOptionalAction)]
+    assert len(switches) >= 5 and plain == [], plain  # no store_true switch that False could not reach
 
 
 @pytest.mark.slow

@@ -141,8 +141,8 @@ async def part_prefix(model: str, tok: Tokenizer, args: argparse.Namespace, work
                     turn_ttfts += [res.ttft_s for res in batch.results if turn > 0]  # later turns can hit
                 after = await engine.stats()
                 queries = after.kv_cache.prefix_cache_queries - before.kv_cache.prefix_cache_queries
-                hits = after.kv_cache.prefix_cache_hits - before.kv_cache.prefix_cache_hits
-                rate = hits / queries if queries else 0.0
+                hit_tokens = after.kv_cache.prefix_cache_hits - before.kv_cache.prefix_cache_hits
+                rate = hit_tokens / queries if queries else 0.0
                 ttfts[name].append(statistics.median(turn_ttfts))
                 hits[name].append(rate)
                 print(f"prefix round {r} {name:>9}: TTFT p50 {ttfts[name][-1] * 1e3:6.1f} ms (turns 2-3), "

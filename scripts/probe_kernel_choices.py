@@ -10,6 +10,9 @@ interleaved trials, on ``--threads``):
    table (``ScreenedHead.measured_int4_rows``; the GEMMs' time does not depend on the values).
 4. ``merge``: the split chunk's merge of its two attention parts, three ops against one lerp.
 5. ``tiles``: a 2042-row oneDNN GEMM in 512-row tiles against one call (``row_tiles.TILE_ROWS``).
+6. ``copy``: the 30 layers' projections of a many-row step on the int4 plan's bfloat16 copy, as
+   ``F.linear`` on the plain weight against oneDNN on the weight laid out once (``packed_kernel``),
+   each weight read from memory as a step reads it (ms a step, by rows).
 
     python scripts/probe_kernel_choices.py --threads 2
     python scripts/probe_kernel_choices.py --threads 2 --only attention,kv
@@ -156,7 +159,30 @@ def tiles() -> None:
             print(f"| {str(dt)[6:]} | {n} x {k} | {a / 1e3:.2f} | {b / 1e3:.2f} |")
 
 
-PROBES = {"attention": attention, "kv": kv, "head": head, "merge": merge, "tiles": tiles}
+def copy() -> None:
+    kernel = PackedCpuLinear()
+    shapes = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2's qkv, o, gate_up, down
+    plain = {s: [torch.randn(*s).bfloat16() for _ in range(30)] for s in shapes}
+    packed = {s: [kernel.prepare(w) for w in ws] for s, ws in plain.items()}
+    print("| rows | F.linear, plain ms | packed ms | packed / plain |\n|--:|--:|--:|--:|")
+    for rows in (9, 16, 32, 64, 144, 192, 288, 576, 1024, 2048):
+        xs = {s: torch.randn(rows, s[1]).bfloat16() for s in shapes}
+
+        def step_plain() -> None:
+            for s, ws in plain.items():
+                for w in ws:
+                    F.linear(xs[s], w)
+
+        def step_packed() -> None:
+            for s, ws in packed.items():
+                for w in ws:
+                    kernel(xs[s], w)
+
+        a, b = best_us([step_plain, step_packed], 1)
+        print(f"| {rows} | {a / 1e3:.1f} | {b / 1e3:.1f} | {b / a:.2f} |")
+
+
+PROBES = {"attention": attention, "kv": kv, "head": head, "merge": merge, "tiles": tiles, "copy": copy}
 
 
 def main() -> None:

@@ -6,7 +6,13 @@ bf16 scale and zero per 32) against float32's 4; but it dequantizes per row, so 
 a dense GEMM (bfloat16 where the CPU has native bf16, else float32) is faster. Its weight is
 either dequantized per step and layer, which costs the GEMM of a hundred-odd rows, or kept as a
 dense copy made at load (where the copy fits in ``DENSE_COPY_RAM_SHARE`` of the RAM), which makes
-a chunk of a few dozen prompt tokens cost what it costs in an unchunked prefill. Where the
+a chunk of a few dozen prompt tokens cost what it costs in an unchunked prefill. The copy is
+laid out once for oneDNN (``PackedCpuLinear``), as the dense paths' weights are: ``F.linear`` on a
+plain bfloat16 weight re-lays it out in every call. On a 2-core Xeon with AMX the 30 layers' GEMMs
+of a step took 0.67-0.83x the plain weight's time from 9 to 192 rows with the packed one (9 rows
+11.6 against 17.3 ms, 144 rows 23.2 against 27.9), 0.91-0.97x at 288-576 and 1.06-1.09x at
+1024-2048 (``scripts/probe_kernel_choices.py --only copy``): the steps that chunked prefill and
+decode batches make are the first kind. Where the
 crossovers lie differs by CPU, so ``measure_int4_plan`` times the kernels at start-up on the
 model's widest projection and ``Int4CpuLinear`` uses the plan; the choice is logged.
 
@@ -27,7 +33,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_fp16
-from evenflow.worker.models.linear import Linear
+from evenflow.worker.models.linear import Linear, PackedCpuLinear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack, pack_tile_rows
 from evenflow.worker.models.row_tiles import in_row_tiles
 from evenflow.worker.threads import usable_cores
@@ -77,6 +83,7 @@ class Int4CpuLinear:
         self.plan = plan
         self._scratch: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # one dequantized weight per shape
         self.prepare = dense.prepare  # dense weights are laid out by the wrapped kernel
+        self._copy_kernel = packed_kernel(plan.dense_dtype)  # lays out and multiplies a dense copy
 
     def act_dtype(self, weight: torch.Tensor | Int4Weight, rows: int) -> torch.dtype:
         """The dtype a step of ``rows`` rows computes ``weight``'s product in; an ``x`` already in it is
@@ -100,10 +107,14 @@ class Int4CpuLinear:
         else:
             act = self.plan.dense_act_dtype
             dense = weight.dense
-            if not isinstance(dense, torch.Tensor) or dense.dtype != act:
-                dense = weight.dequantize(self._scratch_for(weight))
-            # oneDNN (bfloat16) keeps a primitive per row count: bounded by row_tiles.
-            y = in_row_tiles(lambda rows: F.linear(rows, dense), x.to(act)).to(x.dtype)
+            if isinstance(dense, torch.Tensor) and dense.is_mkldnn and dense.dtype == act:
+                assert self._copy_kernel is not None  # a packed copy is made only by with_dense_copy
+                y = self._copy_kernel(x.to(act), dense).to(x.dtype)
+            else:
+                if not isinstance(dense, torch.Tensor) or dense.dtype != act:
+                    dense = weight.dequantize(self._scratch_for(weight))
+                # oneDNN (bfloat16) keeps a primitive per row count: bounded by row_tiles.
+                y = in_row_tiles(lambda rows: F.linear(rows, dense), x.to(act)).to(x.dtype)
         return y if bias is None else y + bias
 
     def step_nbytes(self, weight: Int4Weight, rows: int) -> int:
@@ -119,7 +130,8 @@ class Int4CpuLinear:
         shape = (weight.out_features, weight.in_features)
         if self.plan.dense_dtype == torch.float16:
             return replace(weight, dense=pack_fp16(weight.dequantize(self._scratch_for(weight))))
-        return replace(weight, dense=weight.dequantize(torch.empty(shape, dtype=self.plan.dense_dtype)))
+        dense = weight.dequantize(torch.empty(shape, dtype=self.plan.dense_dtype))
+        return replace(weight, dense=dense if self._copy_kernel is None else self._copy_kernel.prepare(dense))
 
     def _scratch_for(self, weight: Int4Weight) -> torch.Tensor:
         key = (weight.out_features, weight.in_features, self.plan.dense_act_dtype)
@@ -127,6 +139,15 @@ class Int4CpuLinear:
         if buf is None:
             buf = self._scratch[key] = torch.empty(key[:2], dtype=key[2])
         return buf
+
+
+@cache
+def packed_kernel(dtype: torch.dtype) -> PackedCpuLinear | None:
+    """oneDNN's linear on a weight laid out once, for a dense copy in ``dtype`` (None where this torch
+    has no such kernel for it: the copy is then multiplied by ``F.linear``)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not PackedCpuLinear.works(dtype):
+        return None
+    return PackedCpuLinear()
 
 
 def int4_fits(out_features: int, in_features: int) -> bool:
@@ -153,16 +174,22 @@ def layout_matches() -> bool:
 
 
 def _from_memory(weight: torch.Tensor, fp16: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``F.linear`` against ``weight`` (``fp16``: its FBGEMM float16 copy) read from memory, as a step
-    reads it: each call takes the next of enough copies (``_COPY_PROBE_BYTES``) that the previous calls
-    have evicted it from the cache."""
+    """The product with a dense copy of ``weight`` as a step computes it (``fp16``: FBGEMM's float16
+    copy; else the packed oneDNN copy where this torch has one, else ``F.linear``), read from memory
+    as a step reads it: each call takes the next of enough copies (``_COPY_PROBE_BYTES``) that the
+    previous calls have evicted it from the cache."""
     nbytes = weight.numel() * (2 if fp16 else weight.element_size())
-    copies = [pack_fp16(weight) if fp16 else weight.clone() for _ in range(-(-_COPY_PROBE_BYTES // nbytes))]
+    packed = None if fp16 else packed_kernel(weight.dtype)
+    count = -(-_COPY_PROBE_BYTES // nbytes)
+    copies = [pack_fp16(weight) if fp16 else weight.clone() if packed is None else packed.prepare(weight.clone())
+              for _ in range(count)]
     turn = [0]
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         turn[0] = (turn[0] + 1) % len(copies)
-        return fp16_linear(x, copies[turn[0]]) if fp16 else F.linear(x, copies[turn[0]])
+        if fp16:
+            return fp16_linear(x, copies[turn[0]])
+        return F.linear(x, copies[turn[0]]) if packed is None else packed(x, copies[turn[0]])
 
     return linear
 

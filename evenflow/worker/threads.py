@@ -50,6 +50,14 @@ MIN_RETRY_GAP, MAX_RETRY_GAP = 16, 1024
 # second of the step (on average a quarter of a thread waiting for a CPU) had a core taken: on an
 # idle machine the wait is ~0, with one busy process on one of 2 cores ~0.5.
 RUN_QUEUE_WAIT_LIMIT = 0.25
+# ... unless it still cost less than this share of what long steps of its size cost on fewer threads
+# (measured during fallbacks): then the core is only shared, and every core is still the faster plan.
+# The engine-core, the frontends and their clients on the same 2 cores made the worker's threads wait
+# 0.27-0.58 s per second in served runs, and falling back for it cost long prompts 1.1-1.2x their
+# first token (docs/results/steadiness.md).
+FEWER_THREADS_MARGIN = 0.9
+# How fast the per-FLOP cost of long steps on fewer threads follows new ones (a moving average).
+FEWER_THREADS_WEIGHT = 0.25
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,10 @@ class ThreadSetter:
 
     A long step whose threads waited in the run queue more than ``RUN_QUEUE_WAIT_LIMIT`` (read with
     ``run_queue_wait``, e.g. ``process_run_queue_wait``) counts as such a step too: that sees a taken
-    core directly, even when the best cost seen was itself measured on a busy machine.
+    core directly, even when the best cost seen was itself measured on a busy machine. Once long
+    steps of its size have run on fewer threads, such a step counts only when it did not beat their
+    cost by ``FEWER_THREADS_MARGIN``: a core shared with the engine's own processes slows every
+    core's steps a little, and fewer threads slow them more.
 
     ``weight_bytes``: what one step streams regardless of its size (this rank's weights).
     """
@@ -115,10 +126,11 @@ class ThreadSetter:
         self.weight_seconds = weight_bytes / CORE_WEIGHT_BYTES_PER_S
         self.current = torch.get_num_threads()
         self.best: dict[int, float] = {}  # log2(tokens) -> best seconds per FLOP on every core
+        self.fewer: dict[int, float] = {}  # log2(tokens) -> recent seconds per FLOP on fewer threads
         self.fallback_steps = 0  # long steps left on fewer threads
         self.retry_gap = MIN_RETRY_GAP
         self.slow_streak = 0  # consecutive long steps over the contention factor
-        self._step: tuple[int, float] | None = None  # (size bucket, flops) of a long step on every core
+        self._step: tuple[int, float, bool] | None = None  # (size bucket, flops, on every core) of a long step
 
     def is_long(self, flops: float) -> bool:
         return self.weight_seconds + flops / CORE_FLOPS >= LONG_STEP_SECONDS
@@ -133,9 +145,10 @@ class ThreadSetter:
         if plan.big != plan.small and self.is_long(flops):
             if self.fallback_steps > 0:
                 self.fallback_steps -= 1
+                self._step = (num_tokens.bit_length(), flops, False)
             else:
                 wanted = plan.big
-                self._step = (num_tokens.bit_length(), flops)
+                self._step = (num_tokens.bit_length(), flops, True)
                 self._wait_before = self.run_queue_wait() if self.run_queue_wait is not None else None
         if wanted != self.current:
             torch.set_num_threads(wanted)
@@ -153,11 +166,17 @@ class ThreadSetter:
         """Record how long the step set up by the last ``before_step`` took."""
         if self._step is None:
             return
-        bucket, flops = self._step
+        bucket, flops, every_core = self._step
         cost = seconds / max(flops, 1.0)
+        if not every_core:
+            fewer = self.fewer.get(bucket)
+            self.fewer[bucket] = cost if fewer is None else fewer + FEWER_THREADS_WEIGHT * (cost - fewer)
+            return
         best = self.best.get(bucket)
         waited = self._queue_wait_per_second(seconds)
-        queued = waited is not None and waited > RUN_QUEUE_WAIT_LIMIT
+        fewer = self.fewer.get(bucket)
+        queued = (waited is not None and waited > RUN_QUEUE_WAIT_LIMIT
+                  and (fewer is None or cost >= FEWER_THREADS_MARGIN * fewer))
         if queued or (best is not None and cost > CONTENTION_FACTOR * best):
             self.slow_streak += 1
             # A retry after a fallback needs no confirmation: contention was already seen.

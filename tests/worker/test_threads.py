@@ -151,25 +151,24 @@ def test_a_shared_core_keeps_every_core_while_that_is_still_faster(monkeypatch: 
     queue.per_second = 0.35
     setter = ThreadSetter(StepThreads(1, 2), TINY * 4, queue.read)
     cost = {1: 0.08, 2: 0.05}
-    used = []
-    for _ in range(300):
-        setter.before_step(1e10, 264)
-        used.append(setter.current)
-        queue.advance(cost[setter.current])
-        setter.after_step(cost[setter.current])
+
+    def steps(n: int) -> list[int]:
+        used = []
+        for _ in range(n):
+            setter.before_step(1e10, 264)
+            used.append(setter.current)
+            queue.advance(cost[setter.current])
+            setter.after_step(cost[setter.current])
+        return used
+
+    used = steps(300)
     # Waiting alone reads as a taken core once; the fallback measures fewer threads, and from then on
     # every core is kept because it is faster.
     assert used[:2] == [2, 2] and used.count(1) == MIN_RETRY_GAP and used[-250:] == [2] * 250
     assert caplog.text.count("a core is busy elsewhere") == 1
     # A core really taken (every-core steps now cost more than fewer threads do) still falls back.
     cost[2] = 0.09
-    later = []
-    for _ in range(200):
-        setter.before_step(1e10, 264)
-        later.append(setter.current)
-        queue.advance(cost[setter.current])
-        setter.after_step(cost[setter.current])
-    assert later[-50:] == [1] * 50
+    assert steps(200)[-50:] == [1] * 50
 
 
 def test_the_run_queue_wait_of_this_process_is_readable() -> None:

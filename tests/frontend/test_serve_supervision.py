@@ -52,7 +52,7 @@ def test_killed_frontend_and_engine_core_are_restarted_while_serving(demo_model_
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     proc = start(["-m", "evenflow.frontend", "serve", "--model", str(demo_model_dir), "--port", str(port),
-                  "--frontends", "2", "--max-model-len", "256", "--num-kv-blocks", "64", "--worker-threads", "1"], log)
+                  "--frontends", "2", "--max-model-len", "256", "--num-kv-blocks", "128", "--worker-threads", "1"], log)
     try:
         wait_for(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, 180, [proc], [log])
         wait_for(lambda: len(_children(proc.pid, "evenflow.frontend.cli")) == 2, 60, [proc], [log])
@@ -61,9 +61,11 @@ def test_killed_frontend_and_engine_core_are_restarted_while_serving(demo_model_
         address = engine_cmd[engine_cmd.index("--listen") + 1]
         assert address.startswith("ipc://") and os.stat(os.path.dirname(address[6:])).st_mode & 0o077 == 0
         victim = _children(proc.pid, "frontend-0")[0]
-        # Streams land on both frontends (the kernel spreads connections); then frontend-0 is killed.
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            streams = [pool.submit(_stream, url) for _ in range(6)]
+        # Streams land on both frontends (the kernel spreads connections by a hash of each one's
+        # ports: with 6 streams all of them went to the victim in one CI run, as 1 in 64 runs would;
+        # with 12, 1 in 4,096); then frontend-0 is killed.
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            streams = [pool.submit(_stream, url) for _ in range(12)]
             time.sleep(0.5)
             os.kill(victim, signal.SIGKILL)
             killed = time.monotonic()

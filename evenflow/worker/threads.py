@@ -130,7 +130,7 @@ class ThreadSetter:
         self.fallback_steps = 0  # long steps left on fewer threads
         self.retry_gap = MIN_RETRY_GAP
         self.slow_streak = 0  # consecutive long steps over the contention factor
-        self._step: tuple[int, float, bool] | None = None  # (size bucket, flops, on every core) of a long step
+        self._step: tuple[int, float] | None = None  # (size bucket, flops) of a long step
 
     def is_long(self, flops: float) -> bool:
         return self.weight_seconds + flops / CORE_FLOPS >= LONG_STEP_SECONDS
@@ -145,11 +145,10 @@ class ThreadSetter:
         if plan.big != plan.small and self.is_long(flops):
             if self.fallback_steps > 0:
                 self.fallback_steps -= 1
-                self._step = (num_tokens.bit_length(), flops, False)
             else:
                 wanted = plan.big
-                self._step = (num_tokens.bit_length(), flops, True)
                 self._wait_before = self.run_queue_wait() if self.run_queue_wait is not None else None
+            self._step = (num_tokens.bit_length(), flops)
         if wanted != self.current:
             torch.set_num_threads(wanted)
             self.current = wanted
@@ -166,9 +165,10 @@ class ThreadSetter:
         """Record how long the step set up by the last ``before_step`` took."""
         if self._step is None:
             return
-        bucket, flops, every_core = self._step
+        bucket, flops = self._step
         cost = seconds / max(flops, 1.0)
-        if not every_core:
+        assert self.plan is not None  # a long step is recorded only under a plan
+        if self.current != self.plan.big:  # a fallback step: what fewer threads cost
             fewer = self.fewer.get(bucket)
             self.fewer[bucket] = cost if fewer is None else fewer + FEWER_THREADS_WEIGHT * (cost - fewer)
             return
@@ -182,7 +182,6 @@ class ThreadSetter:
             # A retry after a fallback needs no confirmation: contention was already seen.
             if self.slow_streak < CONTENTION_STREAK and self.retry_gap == MIN_RETRY_GAP:
                 return
-            assert self.plan is not None
             why = (f"its threads waited for a CPU {waited:.2f} s per second" if queued
                    else f"it took {cost / best:.1f}x its usual time per FLOP")  # type: ignore[operator]
             log.warning("a %d-thread step: %s, a core is busy elsewhere; the next %d long steps run on %d threads",

@@ -33,7 +33,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_fp16
-from evenflow.worker.models.linear import Linear, PackedCpuLinear
+from evenflow.worker.models.linear import Linear, PackedCpuLinear, pick_linear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack, pack_tile_rows
 from evenflow.worker.models.row_tiles import in_row_tiles
 from evenflow.worker.threads import usable_cores
@@ -143,11 +143,10 @@ class Int4CpuLinear:
 
 @cache
 def packed_kernel(dtype: torch.dtype) -> PackedCpuLinear | None:
-    """oneDNN's linear on a weight laid out once, for a dense copy in ``dtype`` (None where this torch
-    has no such kernel for it: the copy is then multiplied by ``F.linear``)."""
-    if dtype not in (torch.float32, torch.bfloat16) or not PackedCpuLinear.works(dtype):
-        return None
-    return PackedCpuLinear()
+    """oneDNN's linear on a weight laid out once, for a dense copy in ``dtype``: the kernel the dense
+    paths pick for it, where that is the packed one (else None: the copy is multiplied by ``F.linear``)."""
+    kernel = pick_linear(dtype, torch.device("cpu"))
+    return kernel if isinstance(kernel, PackedCpuLinear) else None
 
 
 def int4_fits(out_features: int, in_features: int) -> bool:
@@ -181,7 +180,7 @@ def _from_memory(weight: torch.Tensor, fp16: bool = False) -> Callable[[torch.Te
     nbytes = weight.numel() * (2 if fp16 else weight.element_size())
     packed = None if fp16 else packed_kernel(weight.dtype)
     count = -(-_COPY_PROBE_BYTES // nbytes)
-    copies = [pack_fp16(weight) if fp16 else weight.clone() if packed is None else packed.prepare(weight.clone())
+    copies = [pack_fp16(weight) if fp16 else weight.clone() if packed is None else packed.prepare(weight)
               for _ in range(count)]
     turn = [0]
 

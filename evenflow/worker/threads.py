@@ -53,8 +53,8 @@ RUN_QUEUE_WAIT_LIMIT = 0.25
 # ... unless it still cost less than this share of what long steps of its size cost on fewer threads
 # (measured during fallbacks): then the core is only shared, and every core is still the faster plan.
 # The engine-core, the frontends and their clients on the same 2 cores made the worker's threads wait
-# 0.27-0.58 s per second in served runs, and falling back for it cost long prompts 1.1-1.2x their
-# first token (docs/results/steadiness.md).
+# 0.27-0.58 s per second in served runs, and each fallback for it ran 16+ long steps on one thread
+# (docs/results/steadiness.md, set 23).
 FEWER_THREADS_MARGIN = 0.9
 # How fast the per-FLOP cost of long steps on fewer threads follows new ones (a moving average).
 FEWER_THREADS_WEIGHT = 0.25

@@ -12,7 +12,9 @@ inter-token latency at
   real model (docs/results/steadiness.md): at k = 4 the aim's margin (0.7-0.85 of the target on a
   busy 2-core machine) and the decodes' share of a prefill step left a prompt 46-60% of each step,
   and its first token came 1.6-2.1x later than unchunked; at k = 6, 1.2-1.45x, the streams' p99 on
-  the target.
+  the target. Against the fixed 2048-token budget on a 2-core Xeon (set 27): k = 4, 6, 9 started a
+  2048-token prompt 1.95-2.16x, 1.54-1.71x, 1.37-1.51x later and left a worst gap of 0.16-0.18x,
+  0.23-0.27x, 0.34-0.42x the fixed budget's: the larger k buys first tokens with stalls.
 * The floor is what a reader cannot tell apart: 50 ms a token is 20 tokens/s, faster than anyone
   reads a stream. A small model whose decode step is a few ms gets this floor, not 6x its step, and
   its prompts chunks several times larger than 6x would allow.

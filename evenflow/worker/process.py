@@ -102,6 +102,7 @@ class EngineWatch:
 def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
     """Run the handshake and the step loop until WorkerShutdown (raises on any failure)."""
     from evenflow.worker.runner import ModelRunner  # imports torch: after the sockets are up
+    from evenflow.worker.step_record import StepClock, StepRecorder
 
     sub = connect(ctx, zmq.SUB, cfg.engine_input_addr, cfg)
     push = connect(ctx, zmq.PUSH, cfg.engine_output_addr, cfg)
@@ -110,6 +111,7 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
     decode = msgspec.msgpack.Decoder(EngineToWorker).decode
     runner = ModelRunner(cfg)
     faults = FaultInjector()  # test-only; a no-op unless its variable is set
+    recorder = StepRecorder.from_env(cfg)  # a no-op unless $EVENFLOW_STEP_RECORD is set
     try:
         num_blocks = runner.determine_num_kv_blocks()
         push.send(encode(WorkerReady(cfg.rank, num_blocks, runner.block_size, runner.attention_backend,
@@ -118,11 +120,16 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
         while True:
             frame = sub.recv(copy=False) if watch is None else watch.recv(sub)
             wait_s = time.perf_counter() - idle_since
+            if recorder is not None:
+                recorder.frame(frame.bytes)
             msg = decode(frame.buffer)
             if isinstance(msg, SchedulerOutput):
                 tracker.step_id = msg.step_id
                 faults.before_step()
+                clock = StepClock() if recorder is not None else None
                 out = runner.execute_model(msg)
+                if recorder is not None and clock is not None:
+                    recorder.step(clock.stop(msg))
                 if cfg.rank == 0:
                     if out is None:  # nothing to sample this step: still answer, the engine waits
                         out = ModelRunnerOutput(msg.step_id, [], [])
@@ -139,6 +146,8 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
             idle_since = time.perf_counter()
     finally:
         runner.shutdown()
+        if recorder is not None:
+            recorder.close()
         if watch is not None:
             watch.close()
         push.close(linger=2000)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Replay a served worker's steps alone and compare their times, by kind of step.
 
-Record while serving (rank 0 writes PREFIX.config.json, PREFIX.frames, PREFIX.steps.jsonl):
+Record while serving (the worker writes PREFIX.config.json, PREFIX.frames, PREFIX.steps.jsonl):
 
     EVENFLOW_STEP_RECORD=/tmp/run1 evenflow serve --model M ...
 
@@ -9,8 +9,8 @@ then, with the server stopped and the machine otherwise quiet:
 
     python scripts/replay_steps.py /tmp/run1
 
-The replay runs the same steps (shapes, block ids, thread plan) in this process with nothing beside
-it; served / replayed is what the processes around the worker cost each kind of step.
+The replay runs the same steps (shapes, block ids) in this process with nothing beside it;
+served / replayed is what the processes around the worker cost each kind of step.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def main() -> None:
     from evenflow.worker.step_record import read_steps
 
     replayed = replay(args.prefix)
-    served = read_steps(Path(f"{args.prefix}.steps.jsonl"))
+    served = read_steps(args.prefix)
     print(format_comparison(compare(served, replayed.timings)))
 
 

@@ -26,7 +26,10 @@ class Replayed:
 
 def replay(prefix: Path) -> Replayed:
     """Run every recorded message in order, as the worker process does (``evenflow/worker/process.py``)."""
-    runner = ModelRunner(read_config(prefix))
+    config = read_config(prefix)
+    if config.world_size > 1:
+        raise ValueError(f"{prefix} is a tensor-parallel rank's recording: its steps need the other ranks")
+    runner = ModelRunner(config)
     runner.determine_num_kv_blocks()
     decode = msgspec.msgpack.Decoder(EngineToWorker).decode
     result = Replayed([], [])
@@ -49,7 +52,8 @@ def replay(prefix: Path) -> Replayed:
 
 @dataclass
 class KindComparison:
-    """One kind of step, served against replayed (means over the steps both ran)."""
+    """One kind of step, served against replayed (means over the steps both ran). Steps whose thread
+    counts differ (the thread rule fell back in one run and not in the other) form kinds of their own."""
 
     kind: str
     steps: int
@@ -72,16 +76,18 @@ def compare(served: list[StepTiming], replayed: list[StepTiming]) -> list[KindCo
     for s in served:
         r = by_id.get(s.step_id)
         if r is not None and s.kind != "empty":
-            groups.setdefault(s.kind, []).append((s, r))
+            kind = s.kind if s.threads == r.threads else f"{s.kind}, {s.threads} / {r.threads} threads"
+            groups.setdefault(kind, []).append((s, r))
     rows = []
     for kind, pairs in groups.items():
         n = len(pairs)
         s_wall, r_wall = sum(s.wall_s for s, _ in pairs), sum(r.wall_s for _, r in pairs)
         rows.append(KindComparison(
-            kind, n, 1e3 * s_wall / n, 1e3 * r_wall / n,
-            sum(s.cpu_s for s, _ in pairs) / s_wall if s_wall else 0.0,
-            sum(r.cpu_s for _, r in pairs) / r_wall if r_wall else 0.0,
-            sum(s.involuntary_switches for s, _ in pairs) / n, sum(r.involuntary_switches for _, r in pairs) / n))
+            kind=kind, steps=n, served_ms=1e3 * s_wall / n, replayed_ms=1e3 * r_wall / n,
+            served_cpu_per_wall=sum(s.cpu_s for s, _ in pairs) / s_wall if s_wall else 0.0,
+            replayed_cpu_per_wall=sum(r.cpu_s for _, r in pairs) / r_wall if r_wall else 0.0,
+            served_switches=sum(s.involuntary_switches for s, _ in pairs) / n,
+            replayed_switches=sum(r.involuntary_switches for _, r in pairs) / n))
     return rows
 
 

@@ -109,9 +109,9 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
     watch = EngineWatch(sub) if cfg.secure_link else None
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(EngineToWorker).decode
+    recorder = StepRecorder.from_env(cfg)  # None unless $EVENFLOW_STEP_RECORD is set
     runner = ModelRunner(cfg)
     faults = FaultInjector()  # test-only; a no-op unless its variable is set
-    recorder = StepRecorder.from_env(cfg)  # a no-op unless $EVENFLOW_STEP_RECORD is set
     try:
         num_blocks = runner.determine_num_kv_blocks()
         push.send(encode(WorkerReady(cfg.rank, num_blocks, runner.block_size, runner.attention_backend,
@@ -126,9 +126,11 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
             if isinstance(msg, SchedulerOutput):
                 tracker.step_id = msg.step_id
                 faults.before_step()
-                clock = StepClock() if recorder is not None else None
-                out = runner.execute_model(msg)
-                if recorder is not None and clock is not None:
+                if recorder is None:
+                    out = runner.execute_model(msg)
+                else:
+                    clock = StepClock()
+                    out = runner.execute_model(msg)
                     recorder.step(clock.stop(msg))
                 if cfg.rank == 0:
                     if out is None:  # nothing to sample this step: still answer, the engine waits
@@ -145,9 +147,9 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
                 return
             idle_since = time.perf_counter()
     finally:
-        runner.shutdown()
         if recorder is not None:
             recorder.close()
+        runner.shutdown()
         if watch is not None:
             watch.close()
         push.close(linger=2000)

@@ -48,11 +48,10 @@ BASELINE_DRIFT = 0.01
 MIN_RETRY_GAP, MAX_RETRY_GAP = 16, 1024
 # A long step on every core whose threads stood in the run queue this many thread-seconds per
 # second of the step had a core taken. One process busy beside N threads on N cores leaves N + 1
-# runnable threads for N cores: the worker's threads wait N / (N + 1) of a second each second, 2/3
-# at the least (0.80-0.82 measured beside a busy loop on 2 cores). The engine-core, the frontends
-# and their clients on the same 2 cores made them wait 0.26-0.48 s a second in quiet served runs,
-# where a limit of 0.25 fell back to one thread 4-7 times in 100 s, and one thread was always the
-# slower plan (docs/results/steadiness.md, set 26).
+# runnable threads for N cores: each waits 1 / (N + 1) of a second, N / (N + 1) thread-seconds a
+# second together, 2/3 at the least (0.80-0.82 measured beside a busy loop on 2 cores). The
+# engine-core, the frontends and their clients on the same 2 cores make them wait 0.26-0.48 s a second
+# in quiet served runs, while every core is still the faster plan (docs/results/steadiness.md, set 26).
 RUN_QUEUE_WAIT_LIMIT = 0.6
 # ... unless it still cost less than this share of what long steps of its size cost on fewer threads
 # (measured during fallbacks): then the core is only shared, and every core is still the faster plan.

@@ -28,4 +28,5 @@ def worker_template(cfg: EngineConfig, model_path: str, max_model_len: int) -> W
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
         attention_backend=cfg.attention_backend, kv_cache_memory=cfg.kv_cache_memory,
         num_kv_blocks=cfg.num_kv_blocks, load_format=cfg.load_format, num_threads=cfg.worker_threads,
-        speculative_config=cfg.speculative_config, quantization=cfg.quantization, lora_config=cfg.lora_config())
+        speculative_config=cfg.speculative_config, quantization=cfg.quantization, lora_config=cfg.lora_config(),
+        enforce_eager=cfg.enforce_eager)

@@ -46,6 +46,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     dtype: str = "auto"
     quantization: str | None = None  # None: follows --dtype (auto: GGUF Q4 projections 4-bit where faster)
+    enforce_eager: bool = False  # True: no torch.compile'd ops (models/compiled_ops.py)
     device: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -226,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="GGUF Q4_0/Q4_1 projections: gguf keeps them 4-bit (int4 kernel), none dequantizes them to --dtype "
            "(default: with --dtype auto keep them 4-bit where a start-up measurement finds the int4 kernel "
            "faster; an explicit --dtype dequantizes them to it)")
+    a("--enforce-eager", action="store_true",
+      help="never torch.compile: on CPU, 4-bit GGUF weights otherwise get their layers' elementwise ops compiled "
+           "for steps of many rows at start-up (a few seconds; cached by inductor between runs)")
     a("--device", default=d.device, help="worker device: auto, cpu, cuda")
     a("--seed", type=int, default=d.seed, help="random seed of the workers")
     a("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, help="worker processes (ranks)")

@@ -122,6 +122,7 @@ class WorkerConfig(Struct, forbid_unknown_fields=True):
     speculative_config: SpeculativeConfig | None = None
     lora_config: LoRAConfig | None = None  # None: LoRA off (--enable-lora not given)
     quantization: str | None = None  # GGUF 4-bit projections: None (auto), "gguf" (keep), "none" (dequantize)
+    enforce_eager: bool = False  # True: no torch.compile'd ops
 
 
 class WorkerReady(Struct, tag="worker_ready", array_like=True):

@@ -3,7 +3,9 @@ served with ``--quantization gguf`` (4-bit projections, bfloat16 activations in 
 ``--quantization none`` (every tensor dequantized to float32, the exact reference path).
 
 Stated tolerances (measured 2026-12-01: decode path ppl ratio 0.9994, mean |dlogit| 0.064, max 0.73;
-prefill path 1.0069, 0.134, 0.85; the float16 copy's, 2026-12-03: 0.9981, 0.036, 0.25; logits span about +-35):
+prefill path 1.0069, 0.134, 0.85; the float16 copy's, 2026-12-03: 0.9981, 0.036, 0.25; the prefill path with
+compiled elementwise groups over 324 tokens, 2026-12-05: 1.0014, 0.132, 1.05, eager 1.0025, 0.141, 0.92;
+logits span about +-35):
 - perplexity of a fixed text within 1% of the float32 path's, through the int4 kernel (1 row a step)
   and through the dequantized bfloat16 path (the whole text in one step);
 - logits: mean |difference| <= 0.25, max <= 2.0;
@@ -18,7 +20,10 @@ from unittest.mock import patch
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
+
 from evenflow.frontend.tokenizer import Tokenizer
+from evenflow.worker.models.compiled_ops import COMPILE_MIN_ROWS, compile_layer_ops
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works
 from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan
 from evenflow.worker.runner import ModelRunner
@@ -114,6 +119,41 @@ def test_int4_logits_and_perplexity_track_the_float32_path(path: str, text_refer
     assert abs(got.perplexity / reference.perplexity - 1) <= PPL_REL_TOL, (got.perplexity, reference.perplexity)
     assert float(diff.mean()) <= MEAN_LOGIT_TOL and float(diff.max()) <= MAX_LOGIT_TOL, (diff.mean(), diff.max())
     assert float((got.logits.argmax(-1) == reference.logits.argmax(-1)).float().mean()) >= 0.9
+
+
+def test_compiled_layer_ops_track_the_float32_path_as_the_eager_ops_do(float32_runner: ModelRunner,
+                                                                      int4_runner: ModelRunner,
+                                                                      tokenizer: Tokenizer) -> None:
+    """A text long enough for the compiled elementwise groups (models/compiled_ops.py) in one step through
+    the dequantized bfloat16 path, with them and without: both within the stated tolerances."""
+    ids = tokenizer.encode(" ".join([TEXT] * 3))
+    assert len(ids) >= COMPILE_MIN_ROWS
+    model = int4_runner.model
+    saved_plan, saved_ops = model.linear.plan, model.compiled_ops
+    try:  # the bfloat16 many-row path, whatever this machine's start-up measurement chose
+        model.linear.plan = _dense_plan("dequantized bfloat16")
+        assert compile_layer_ops(model, COMPILE_MIN_ROWS).startswith("compiled")
+        compiled = score(int4_runner, ids, len(ids))
+        model.compiled_ops = None
+        eager = score(int4_runner, ids, len(ids))
+    finally:
+        model.linear.plan, model.compiled_ops = saved_plan, saved_ops
+    reference = score(float32_runner, ids, len(ids))
+    for got in (compiled, eager):
+        diff = (got.logits - reference.logits).abs()
+        assert abs(got.perplexity / reference.perplexity - 1) <= PPL_REL_TOL, (got.perplexity, reference.perplexity)
+        assert float(diff.mean()) <= MEAN_LOGIT_TOL and float(diff.max()) <= MAX_LOGIT_TOL, (diff.mean(), diff.max())
+
+
+def test_no_step_compiles_after_start_up(int4_runner: ModelRunner, tokenizer: Tokenizer) -> None:
+    """The start-up compile covers the steps: a long one later compiles nothing (a guard that failed
+    on the model's own tensors would compile for seconds while requests wait)."""
+    if int4_runner.model.compiled_ops is None:
+        pytest.skip("this CPU's many-row steps do not narrow to bfloat16: nothing was compiled")
+    ids = tokenizer.encode(" ".join([TEXT] * 3))
+    before = sum(counters["frames"].values())
+    score(int4_runner, ids, len(ids))
+    assert sum(counters["frames"].values()) == before
 
 
 def test_int4_greedy_agrees_wherever_the_float32_choice_is_clear(float32_runner: ModelRunner,

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from evenflow.worker.attention.base import AttentionBackend, KVCache
 from evenflow.worker.config_reader import ModelConfig
 from evenflow.worker.lora.pool import LoRAStep
+from evenflow.worker.models.compiled_ops import CompiledOps
 from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan, int4_fits, int4_plan, layout_matches
 from evenflow.worker.models.layers import RotaryTable, apply_rotary, rms_norm, rms_norm_heads, rms_norm_narrowing
 from evenflow.worker.models.lm_head import ScreenedHead
@@ -141,6 +142,7 @@ class LlamaModel(nn.Module):
         # 8 x 130 tokens, 121 against 196 at 8 x 250, on a 2-core Xeon with AMX: probe_kernel_choices.py).
         self.kv_dtype = dtype
         self.int4_plan: Int4Plan | None = None  # the start-up measurement's choice, where 4-bit parts were loaded
+        self.compiled_ops: CompiledOps | None = None  # set by the runner where many-row steps compile
 
     # ---------------------------------------------------------------- loading
 
@@ -210,6 +212,17 @@ class LlamaModel(nn.Module):
         if x.dtype == torch.float32 and out_dtype != torch.float32:
             return rms_norm_narrowing(x, scaled, self._eps_root, out_dtype)
         return rms_norm(x, weight, self.cfg.rms_norm_eps, out_dtype)
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, scaled: torch.Tensor,
+                  out_dtype: torch.dtype, ops: CompiledOps | None) -> torch.Tensor:
+        """``x += delta`` (the residual stream, this step's own tensor; all-reduced across ranks), then
+        its RMSNorm into ``out_dtype``: one compiled graph where the step takes ``ops``."""
+        if delta is None:
+            return self._norm(x, weight, scaled, out_dtype)
+        if ops is not None:  # never with tensor parallelism (the narrowing path is int4's)
+            return ops.add_norm(x, delta, scaled, self._eps_root)
+        x.add_(self.tp.all_reduce(delta))
+        return self._norm(x, weight, scaled, out_dtype)
 
     def _prepare_linears(self) -> None:
         """Hand every projection weight to the linear kernel once. A kernel that re-lays a weight
@@ -326,36 +339,46 @@ class LlamaModel(nn.Module):
         # written so by the op before it; outputs stay in that dtype and are widened by the op that reads
         # them (the residual add, the rotary multiply). LoRA's matmuls need the model's dtype.
         act = dtype if lora is not None else None
+        # Many-row steps on the narrowing path run the elementwise groups compiled (models/compiled_ops.py).
+        ops = self.compiled_ops if self.compiled_ops is not None and self.compiled_ops.takes(n) and lora is None \
+            else None
+        delta: torch.Tensor | None = None  # the last projection's output, added to x by the next norm
         for i, (layer, w, (in_scaled, post_scaled)) in enumerate(zip(self.layers, self._linears, self._scaled_norms)):
-            h = self._norm(x, layer.input_norm, in_scaled, act or linear.act_dtype(w.qkv, n))
+            h = self._add_norm(x, delta, layer.input_norm, in_scaled, act or linear.act_dtype(w.qkv, n), ops)
             qkv = linear(h, w.qkv, w.qkv_bias)
             if lora is not None:
                 lora.add(i, "qkv", h, qkv)
-            qk = qkv[:, :qk_end].view(n, qk_heads, d)
-            if cfg.qk_norm:
-                qk = rms_norm_heads(qk, self._qk_norm_weights[i], eps)
-            qk = apply_rotary(qk, cos, sin)
-            qk = qk if qk.dtype == kv_dtype else qk.to(kv_dtype)
+            if ops is not None and not cfg.qk_norm:
+                qk = ops.rotary_qk(qkv, cos, sin)
+            else:
+                qk = qkv[:, :qk_end].view(n, qk_heads, d)
+                if cfg.qk_norm:
+                    qk = rms_norm_heads(qk, self._qk_norm_weights[i], eps)
+                qk = apply_rotary(qk, cos, sin)
+                qk = qk if qk.dtype == kv_dtype else qk.to(kv_dtype)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, qk_end:].view(n, self.num_kv_heads, d)
             o = attn.forward(q, k, v if v.dtype == kv_dtype else v.to(kv_dtype), kv_caches[i], attn_plan)
             o_act = act or linear.act_dtype(w.o, n)
             o = o if o.dtype == o_act else o.to(o_act)
-            o_out = linear(o, w.o, None)
+            delta = linear(o, w.o, None)
             if lora is not None:  # row-parallel: each rank's partial delta joins the all-reduce
-                lora.add(i, "o", o, o_out)
-            x.add_(tp.all_reduce(o_out))  # x is this step's own tensor (the embedding lookup's output)
-            h = self._norm(x, layer.post_norm, post_scaled, act or linear.act_dtype(w.gate_up, n))
+                lora.add(i, "o", o, delta)
+            h = self._add_norm(x, delta, layer.post_norm, post_scaled, act or linear.act_dtype(w.gate_up, n), ops)
             gu = linear(h, w.gate_up, None)
             if lora is not None:
                 lora.add(i, "gate_up", h, gu)
-            a = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :]
             down_act = act or linear.act_dtype(w.down, n)
-            a = a if a.dtype == down_act else a.to(down_act)
-            down = linear(a, w.down, None)
+            if ops is not None:
+                a = ops.swiglu(gu)
+            else:
+                a = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :]
+                a = a if a.dtype == down_act else a.to(down_act)
+            delta = linear(a, w.down, None)
             if lora is not None:
-                lora.add(i, "down", a, down)
-            x.add_(tp.all_reduce(down))
+                lora.add(i, "down", a, delta)
+        if delta is not None:
+            x.add_(tp.all_reduce(delta))
         x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
         if self._screened_head is not None:  # never with tensor parallelism (int4 projections are off there)
             return self._screened_head(x, greedy)[:, : cfg.vocab_size]

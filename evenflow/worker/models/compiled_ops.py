@@ -1,0 +1,126 @@
+"""The elementwise work between a layer's projections, compiled by inductor for many-row steps.
+
+Between the projections a layer runs a residual add and RMSNorm (twice), the rotary embedding with its
+casts, and SwiGLU: eager, each op reads and writes the whole activation again (at 2048 rows about a
+third of a prefill step on a 2-core CPU). Inductor fuses each group into one loop over the rows. A
+compiled call costs ~40 us more than an eager one (guards, wrapper), more than the fusion saves below a
+few hundred rows, so only steps of at least ``min_rows`` rows take the compiled functions, and the
+float32 reference path (no narrowing casts) never does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch._inductor.config as inductor_config
+import torch.nn.functional as F
+from evenflow.worker.models.int4_linear import Int4CpuLinear
+from evenflow.worker.models.layers import apply_rotary, rms_norm_narrowing
+
+if TYPE_CHECKING:
+    from evenflow.worker.models.llama import LlamaModel
+
+log = logging.getLogger("evenflow.worker.compiled_ops")
+
+# Steps of fewer rows stay eager: below this the ~40 us a compiled call costs beyond an eager one
+# outweighs what the fusion saves (SmolLM2's layers on a 2-core Xeon: docs/results/steadiness.md).
+COMPILE_MIN_ROWS = 256
+
+
+def add_norm(x: torch.Tensor, delta: torch.Tensor, scaled: torch.Tensor, eps_root: torch.Tensor,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """``x += delta`` (the residual stream, in place), then the narrowing RMSNorm of ``x``."""
+    x.add_(delta)
+    return rms_norm_narrowing(x, scaled, eps_root, out_dtype)
+
+
+def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qk_end: int, head_dim: int,
+              kv_dtype: torch.dtype) -> torch.Tensor:
+    """The q and k heads of a fused qkv output, rotated, in the KV cache's dtype: [tokens, heads, head_dim]."""
+    qk = qkv[:, :qk_end].view(qkv.shape[0], -1, head_dim)
+    return apply_rotary(qk, cos, sin).to(kv_dtype)
+
+
+def swiglu(gu: torch.Tensor, inter: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate) * up of a fused gate_up output, in the down projection's input dtype."""
+    return (F.silu(gu[:, :inter]) * gu[:, inter:]).to(out_dtype)
+
+
+class CompiledOps:
+    """``add_norm``, ``rotary_qk`` and ``swiglu`` compiled for one model's widths and dtypes, and the row
+    count from which a step uses them. The widths are constants of the graphs (symbolic widths stop
+    inductor from vectorizing); the rows are symbolic, so one graph per function serves every step."""
+
+    def __init__(self, min_rows: int, hidden: int, qkv_width: int, qk_end: int, head_dim: int, inter: int,
+                 act_dtype: torch.dtype, kv_dtype: torch.dtype, rotary_dtype: torch.dtype) -> None:
+        self.min_rows = min_rows
+
+        def add_norm_(x: torch.Tensor, delta: torch.Tensor, scaled: torch.Tensor, eps_root: torch.Tensor
+                      ) -> torch.Tensor:
+            return add_norm(x, delta, scaled, eps_root, act_dtype)
+
+        def rotary_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            return rotary_qk(qkv, cos, sin, qk_end, head_dim, kv_dtype)
+
+        def swiglu_(gu: torch.Tensor) -> torch.Tensor:
+            return swiglu(gu, inter, act_dtype)
+
+        self.add_norm, self.rotary_qk, self.swiglu = (torch.compile(fn) for fn in (add_norm_, rotary_qk_, swiglu_))
+        self._inputs = (hidden, qkv_width, head_dim, inter, act_dtype, rotary_dtype)
+
+    def warm_up(self) -> float:
+        """Compile the three graphs (or load them from inductor's cache) with the rows symbolic, so that
+        no step of any row count compiles while requests wait; returns the seconds it took."""
+        hidden, qkv_width, head_dim, inter, act, rotary_dtype = self._inputs
+        rows = max(self.min_rows, 2)
+
+        def rows_dynamic(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            t = torch.zeros(rows, *shape, dtype=dtype)
+            torch._dynamo.mark_dynamic(t, 0)
+            return t
+
+        start = time.perf_counter()
+        # As the model holds them: the weights are plain tensors, a step's activations inference tensors
+        # (dynamo guards on which, and a mismatch would compile again at the first real step).
+        scaled, eps_root = torch.ones(hidden), torch.tensor(1.0)
+        with torch.inference_mode():
+            self.add_norm(rows_dynamic(hidden, dtype=torch.float32), rows_dynamic(hidden, dtype=act), scaled, eps_root)
+            self.rotary_qk(rows_dynamic(qkv_width, dtype=act), rows_dynamic(1, head_dim, dtype=rotary_dtype),
+                           rows_dynamic(1, head_dim, dtype=rotary_dtype))
+            self.swiglu(rows_dynamic(2 * inter, dtype=act))
+        return time.perf_counter() - start
+
+    def takes(self, rows: int) -> bool:
+        return rows >= self.min_rows
+
+
+def compile_layer_ops(model: LlamaModel, min_rows: int) -> str:
+    """Give ``model`` compiled elementwise groups for steps of ``min_rows`` rows or more, where it runs
+    the narrowing path: a float32 residual stream into bfloat16 projections (GGUF 4-bit weights on a
+    CPU with native bfloat16). Returns what was done, for the start-up log."""
+    linear = model.linear
+    w = model._linears[0] if model._linears else None
+    if not (isinstance(linear, Int4CpuLinear) and model.dtype == torch.float32 and model.device.type == "cpu"
+            and not model.tp.enabled and w is not None):
+        return "eager (the model's dtype is its projections' dtype: nothing to fuse around them)"
+    act = linear.act_dtype(w.qkv, min_rows)
+    if act == torch.float32 or any(linear.act_dtype(p, min_rows) != act for p in (w.o, w.gate_up, w.down)):
+        return f"eager ({min_rows}-row steps compute in float32: no narrowing casts to fuse)"
+    cfg = model.cfg
+    qk_end = model.q_size + model.kv_size
+    ops = CompiledOps(min_rows, cfg.hidden_size, qk_end + model.kv_size, qk_end, cfg.head_dim, model.intermediate,
+                      act, model.kv_dtype, model.rotary.cos.dtype)
+    previous = inductor_config.compile_threads
+    inductor_config.compile_threads = 1  # no pool of compile processes left beside the worker
+    try:
+        seconds = ops.warm_up()
+    except Exception as e:  # no C++ compiler, an inductor limit: the eager ops are the same math
+        log.warning("elementwise ops stay eager: torch.compile failed (%s: %s)", type(e).__name__, e)
+        return "eager (torch.compile failed)"
+    finally:
+        inductor_config.compile_threads = previous
+    model.compiled_ops = ops
+    return f"compiled for steps of {min_rows}+ rows in {seconds:.1f} s"

@@ -1,0 +1,89 @@
+"""The compiled elementwise groups (evenflow/worker/models/compiled_ops.py): the same math as the eager
+ops, one graph for every row count (nothing compiles after start-up), and only where the model runs the
+narrowing path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from evenflow.core.component_configs import worker_template
+from evenflow.core.engine_config import config_from_args
+from evenflow.worker.models.compiled_ops import CompiledOps, add_norm, compile_layer_ops, rotary_qk, swiglu
+from tests.worker.harness import make_runner
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 4, 2, 16, 96
+QK_END = (HEADS + KV_HEADS) * HEAD_DIM
+QKV = QK_END + KV_HEADS * HEAD_DIM
+pytestmark = pytest.mark.timeout(600)  # one cold inductor compile of three small graphs
+
+
+@pytest.fixture(scope="module")
+def ops() -> CompiledOps:
+    ops = CompiledOps(32, HIDDEN, QKV, QK_END, HEAD_DIM, INTER, torch.bfloat16, torch.bfloat16, torch.float32)
+    ops.warm_up()
+    return ops
+
+
+def _inputs(rows: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(rows)
+    angles = torch.rand(rows, 1, HEAD_DIM // 2, generator=g) * 6.28
+    return {
+        "x": torch.randn(rows, HIDDEN, generator=g), "delta": torch.randn(rows, HIDDEN, generator=g).bfloat16(),
+        "scaled": torch.rand(HIDDEN, generator=g) + 0.5, "eps_root": torch.tensor(1e-3),
+        "qkv": torch.randn(rows, QKV, generator=g).bfloat16(), "gu": torch.randn(rows, 2 * INTER, generator=g).bfloat16(),
+        "cos": torch.cat((angles.cos(), angles.cos()), -1), "sin": torch.cat((-angles.sin(), angles.sin()), -1),
+    }
+
+
+@pytest.mark.parametrize("rows", [32, 77, 600])
+def test_compiled_groups_compute_what_the_eager_ops_do(ops: CompiledOps, rows: int) -> None:
+    a = _inputs(rows)
+    x_eager, x_compiled = a["x"].clone(), a["x"].clone()
+    with torch.inference_mode():
+        h_eager = add_norm(x_eager, a["delta"], a["scaled"], a["eps_root"], torch.bfloat16)
+        h_compiled = ops.add_norm(x_compiled, a["delta"], a["scaled"], a["eps_root"])
+        qk_eager = rotary_qk(a["qkv"], a["cos"], a["sin"], QK_END, HEAD_DIM, torch.bfloat16)
+        qk_compiled = ops.rotary_qk(a["qkv"], a["cos"], a["sin"])
+        sw_eager, sw_compiled = swiglu(a["gu"], INTER, torch.bfloat16), ops.swiglu(a["gu"])
+    torch.testing.assert_close(x_compiled, x_eager)  # the residual stream, added in place
+    assert h_compiled.dtype == qk_compiled.dtype == sw_compiled.dtype == torch.bfloat16
+    assert qk_compiled.shape == (rows, HEADS + KV_HEADS, HEAD_DIM)
+    # bfloat16 outputs: a fused graph rounds once where the eager ops round after each op
+    for got, want in ((h_compiled, h_eager), (qk_compiled, qk_eager), (sw_compiled, sw_eager)):
+        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
+
+
+def test_no_row_count_compiles_after_the_warm_up() -> None:
+    """Inputs as a step has them: weights plain tensors, activations made under inference mode."""
+    ops = CompiledOps(32, HIDDEN, QKV, QK_END, HEAD_DIM, INTER, torch.bfloat16, torch.bfloat16, torch.float32)
+    ops.warm_up()
+    before = sum(counters["frames"].values())
+    weights = _inputs(1)
+    for rows in (33, 300, 2048):
+        with torch.inference_mode():
+            a = _inputs(rows)
+            ops.add_norm(a["x"], a["delta"], weights["scaled"], weights["eps_root"])
+            ops.rotary_qk(a["qkv"], a["cos"], a["sin"])
+            ops.swiglu(a["gu"])
+    assert sum(counters["frames"].values()) == before
+
+
+def test_rows_below_the_threshold_stay_eager(ops: CompiledOps) -> None:
+    assert not ops.takes(31) and ops.takes(32) and ops.takes(4096)
+
+
+def test_a_float32_model_is_not_compiled(tiny_llama: Path) -> None:
+    runner = make_runner(tiny_llama, num_blocks=16)
+    assert compile_layer_ops(runner.model, 32).startswith("eager")
+    assert runner.model.compiled_ops is None
+
+
+def test_enforce_eager_reaches_the_workers(tiny_llama: Path) -> None:
+    for argv, expected in (([], False), (["--enforce-eager"], True)):
+        cfg = config_from_args(["--model", str(tiny_llama), *argv])
+        assert cfg.enforce_eager is expected
+        assert worker_template(cfg, str(tiny_llama), 512).enforce_eager is expected

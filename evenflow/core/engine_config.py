@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="GGUF Q4_0/Q4_1 projections: gguf keeps them 4-bit (int4 kernel), none dequantizes them to --dtype "
            "(default: with --dtype auto keep them 4-bit where a start-up measurement finds the int4 kernel "
            "faster; an explicit --dtype dequantizes them to it)")
-    a("--enforce-eager", action="store_true",
+    a("--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager,
       help="never torch.compile: on CPU, 4-bit GGUF weights otherwise get their layers' elementwise ops compiled "
            "for steps of many rows at start-up (a few seconds; cached by inductor between runs)")
     a("--device", default=d.device, help="worker device: auto, cpu, cuda")

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType
-from evenflow.worker.models.llama import LlamaModel, WeightSpec
+from evenflow.worker.models.llama import LlamaModel
+from evenflow.worker.models.weight_specs import WeightSpec
 from evenflow.worker.models.q4_blocks import INT4_TYPES, split_blocks
 
 QUANTIZATION_CHOICES = (None, "gguf", "none")

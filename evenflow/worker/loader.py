@@ -19,7 +19,8 @@ from evenflow.protocol.gguf_file import is_gguf_path
 from evenflow.worker.gguf_weights import dequantize_raw, iter_gguf_raw_tensors
 from evenflow.worker.int4_weights import check_quantization, offer_int4, prepare_int4
 from evenflow.worker.models.linear import cpu_has_fast_path
-from evenflow.worker.models.llama import LlamaModel, WeightSpec
+from evenflow.worker.models.llama import LlamaModel
+from evenflow.worker.models.weight_specs import WeightSpec
 from safetensors import safe_open
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -2,7 +2,7 @@
 
 Per projection and layer: ``a_t`` = lora_A transposed, [in_local, r], and ``b_t`` = lora_B
 transposed and multiplied by the adapter's scaling, [r, out_local]. Tensor parallel splits them as
-the base weights are split (evenflow/worker/models/llama.py ``weight_specs``): a column-parallel
+the base weights are split (evenflow/worker/models/weight_specs.py): a column-parallel
 projection (q/k/v/gate/up) keeps all of A and its rows of B; a row-parallel one (o/down) keeps its
 columns of A and all of B, so each rank's partial delta is summed by the all-reduce the base output
 already goes through.

@@ -25,19 +25,11 @@ from evenflow.worker.models.linear import (
     UpcastCpuLinear, cpu_has_fast_path, emulated_slowdown, pick_linear,
 )
 from evenflow.worker.models.q4_blocks import Int4Weight, Q4Rows, concat_rows, pack
+from evenflow.worker.models.weight_specs import WeightSpec, llama_weight_specs
 from evenflow.worker.parallel import TensorParallel
 from torch import nn
 
 log = logging.getLogger("evenflow.worker.llama")
-
-
-@dataclass(frozen=True)
-class WeightSpec:
-    """Where one HuggingFace tensor goes: a parameter, which dim is sharded, at which row offset."""
-
-    param: str
-    shard_dim: int | None  # None: replicated; 0: rows (column-parallel); 1: columns (row-parallel)
-    row_offset: int = 0  # for fused parameters: the first row this tensor's shard fills
 
 
 @dataclass
@@ -148,30 +140,7 @@ class LlamaModel(nn.Module):
 
     def weight_specs(self) -> dict[str, WeightSpec]:
         """HuggingFace tensor name -> where it goes, for every tensor this model needs."""
-        cfg = self.cfg
-        specs: dict[str, WeightSpec] = {
-            "model.embed_tokens.weight": WeightSpec("embed", 0),
-            "model.norm.weight": WeightSpec("norm", None),
-        }
-        if not cfg.tie_word_embeddings:
-            specs["lm_head.weight"] = WeightSpec("lm_head", 0)
-        q, kv, inter = self.q_size, self.kv_size, self.intermediate
-        for i in range(cfg.num_layers):
-            p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            specs[p + "input_layernorm.weight"] = WeightSpec(f"layers.{i}.input_norm", None)
-            specs[p + "post_attention_layernorm.weight"] = WeightSpec(f"layers.{i}.post_norm", None)
-            for name, offset in (("q_proj", 0), ("k_proj", q), ("v_proj", q + kv)):
-                specs[a + name + ".weight"] = WeightSpec(f"layers.{i}.qkv", 0, offset)
-                if cfg.qkv_bias:
-                    specs[a + name + ".bias"] = WeightSpec(f"layers.{i}.qkv_bias", 0, offset)
-            if cfg.qk_norm:
-                specs[a + "q_norm.weight"] = WeightSpec(f"layers.{i}.q_norm", None)
-                specs[a + "k_norm.weight"] = WeightSpec(f"layers.{i}.k_norm", None)
-            specs[a + "o_proj.weight"] = WeightSpec(f"layers.{i}.o", 1)
-            specs[m + "gate_proj.weight"] = WeightSpec(f"layers.{i}.gate_up", 0, 0)
-            specs[m + "up_proj.weight"] = WeightSpec(f"layers.{i}.gate_up", 0, inter)
-            specs[m + "down_proj.weight"] = WeightSpec(f"layers.{i}.down", 1)
-        return specs
+        return llama_weight_specs(self.cfg, self.q_size, self.kv_size, self.intermediate)
 
     def int4_params(self) -> set[str]:
         """The projection parameters that may be kept 4-bit (not sharded: blocks span whole rows only)."""

@@ -11,11 +11,12 @@ docs/results/quantization.md (2026-12-05, compiled elementwise groups).
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from evenflow.bench.call_timing import per_call_ms
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -47,14 +48,6 @@ def merged_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int)
     return torch.cat(outs, 2)
 
 
-def best_ms(fn: Callable[[], object], calls: int = 5) -> float:
-    fn()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t) / calls * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048)
@@ -75,7 +68,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(2):  # two rounds, the order reversed in the second
         for name in list(variants) if r == 0 else list(variants)[::-1]:
-            times[name].append(best_ms(variants[name]))
+            times[name].append(per_call_ms(variants[name], 5, warmup=1))
     base = min(times["causal"])
     print(f"| variant | ms | / causal | max abs error |\n|---|--:|--:|--:|")
     for name, fn in variants.items():

@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from evenflow.bench.call_timing import per_call_ms
 from evenflow.protocol import WorkerConfig
 from evenflow.worker.models.compiled_ops import CompiledOps, add_norm, compile_layer_ops, rotary_qk, swiglu
 from evenflow.worker.runner import ModelRunner
@@ -59,15 +59,6 @@ def whole_steps(args: argparse.Namespace) -> None:
         print(f"| {s.decodes} | {s.chunk} | {s.chunk_context} | {e * 1e3:.1f} | {c * 1e3:.1f} | {c / e:.3f} |")
 
 
-def _best_ms(fn: Callable[[], object], calls: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t) / calls * 1e3
-
-
 def isolated(args: argparse.Namespace) -> None:
     ops = CompiledOps(2, HIDDEN, QK_END + KV_HEADS * HEAD_DIM, QK_END, HEAD_DIM, INTER, torch.bfloat16,
                       torch.bfloat16, torch.float32)
@@ -94,7 +85,7 @@ def isolated(args: argparse.Namespace) -> None:
             for r in range(3):  # alternating order, best of 3
                 order = [("eager", eager), ("compiled", compiled)]
                 for name, fn in order if r % 2 == 0 else order[::-1]:
-                    times[name].append(_best_ms(fn))
+                    times[name].append(per_call_ms(fn, 20))
         e, c = min(times["eager"]), min(times["compiled"])
         print(f"| {rows} | {e:.3f} | {c:.3f} | {c / e:.2f} |")
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.real.scoring, the gate's text
+from evenflow.bench.call_timing import per_call_ms  # noqa: E402
 from evenflow.worker.models.int4_linear import Int4CpuLinear  # noqa: E402
 from evenflow.worker.models.layers import apply_rotary  # noqa: E402
 from evenflow.worker.models.q4_blocks import Int4Weight  # noqa: E402
@@ -32,15 +33,6 @@ from evenflow.worker.runner import ModelRunner  # noqa: E402
 from tests.real.scoring import score  # noqa: E402
 from tests.real.test_int4_accuracy import TEXT  # noqa: E402
 from tests.worker.harness import make_runner  # noqa: E402
-
-
-def per_call_ms(fn: Callable[[], object], calls: int) -> float:
-    for _ in range(5):
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e3
 
 
 def probe_compile(runner: ModelRunner, cpp_wrapper: bool, rounds: int) -> None:
@@ -80,7 +72,7 @@ def probe_compile(runner: ModelRunner, cpp_wrapper: bool, rounds: int) -> None:
     print(f"compile (cpp_wrapper={cpp_wrapper}): {time.perf_counter() - t0:.1f} s; ms over 30 layers, one row")
     print("| round | pre eager | pre compiled | post eager | post compiled |\n|--:|--:|--:|--:|--:|")
     for r in range(rounds):
-        t = [per_call_ms(lambda: run(f), 200) for run, f in ((run_pre, pre), (run_pre, cpre), (run_post, post),
+        t = [per_call_ms(lambda: run(f), 200, warmup=5) for run, f in ((run_pre, pre), (run_pre, cpre), (run_post, post),
                                                                 (run_post, cpost))]
         print(f"| {r} | " + " | ".join(f"{v:.2f}" for v in t) + " |")
 

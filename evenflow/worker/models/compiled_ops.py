@@ -46,7 +46,8 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qk_end: i
 
 def swiglu(gu: torch.Tensor, inter: int, out_dtype: torch.dtype) -> torch.Tensor:
     """silu(gate) * up of a fused gate_up output, in the down projection's input dtype."""
-    return (F.silu(gu[:, :inter]) * gu[:, inter:]).to(out_dtype)
+    a = F.silu(gu[:, :inter]) * gu[:, inter:]
+    return a if a.dtype == out_dtype else a.to(out_dtype)
 
 
 class CompiledOps:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from evenflow.worker.attention.base import AttentionBackend, KVCache
 from evenflow.worker.config_reader import ModelConfig
 from evenflow.worker.lora.pool import LoRAStep
-from evenflow.worker.models.compiled_ops import CompiledOps
+from evenflow.worker.models.compiled_ops import CompiledOps, swiglu
 from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan, int4_fits, int4_plan, layout_matches
 from evenflow.worker.models.layers import RotaryTable, apply_rotary, rms_norm, rms_norm_heads, rms_norm_narrowing
 from evenflow.worker.models.lm_head import ScreenedHead
@@ -337,12 +337,7 @@ class LlamaModel(nn.Module):
             gu = linear(h, w.gate_up, None)
             if lora is not None:
                 lora.add(i, "gate_up", h, gu)
-            down_act = act or linear.act_dtype(w.down, n)
-            if ops is not None:
-                a = ops.swiglu(gu)
-            else:
-                a = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :]
-                a = a if a.dtype == down_act else a.to(down_act)
+            a = ops.swiglu(gu) if ops is not None else swiglu(gu, self.intermediate, act or linear.act_dtype(w.down, n))
             delta = linear(a, w.down, None)
             if lora is not None:
                 lora.add(i, "down", a, delta)

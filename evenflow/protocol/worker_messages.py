@@ -60,6 +60,10 @@ class SchedulerOutput(Struct, tag="sched", array_like=True):
     # back in ModelRunnerOutput.lora_loaded); identities of unloaded adapters they may drop.
     lora_prefetch: list[AdapterRef] = []
     lora_unloaded: list[str] = []
+    # A prompt prefilled by layer groups beside decodes (evenflow/core/sched/layered_prefill.py):
+    # request id -> the layers [start, end) its scheduled tokens run through this step. The same
+    # tokens come in each of its group steps; it samples in the one that ends at the last layer.
+    layer_spans: dict[str, tuple[int, int]] = {}
 
 
 class ModelRunnerOutput(Struct, tag="mro", array_like=True):

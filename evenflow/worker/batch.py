@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from evenflow.protocol import AdapterRef, NewRequestData, SchedulerOutput
 from evenflow.worker.attention.base import AttentionInputs
+from evenflow.worker.layered_prefill import LayeredRows
 from evenflow.worker.sampling_metadata import RequestSamplingState
 from evenflow.worker.staging import HostStaging
 
@@ -51,13 +52,16 @@ class StepInputs:
     logits_indices: torch.Tensor  # [S] long: each sampling request's drafts' and last token's rows
     sample_mask: np.ndarray  # [num_reqs] bool: which requests sample this step
     num_drafts: np.ndarray  # [num_reqs] int64: drafts each request verifies (0 without speculation)
+    layered: LayeredRows | None = None  # a prompt prefilled by layer groups: the step's last request
 
 
 class PersistentBatch:
     """Request states plus the row tables they are mirrored in."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device,
+                 num_layers: int = 0) -> None:
         self.block_size = block_size
+        self.num_layers = num_layers  # where a layered prefill's last span ends (it samples there)
         self.device = device
         self.staging = HostStaging(device)
         # +1: the token sampled after the last computed position is stored but never computed.
@@ -154,13 +158,15 @@ class PersistentBatch:
             if req_id in draft_slots else n
             for req_id, n in so.num_scheduled_tokens.items()
         }
+        layered = self._layered(so, num_scheduled)
         for req_id, n in num_scheduled.items():
             state = self.requests[req_id]
-            (decodes if n == 1 else others).append(state)
+            if layered is None or req_id != layered.req_id:
+                (decodes if n == 1 else others).append(state)
         # Decodes sorted by context length: the torch backend attends to them in a few
         # contiguous groups of similar length, padding each group only to its own longest.
         decodes.sort(key=_num_computed)
-        reqs = decodes + others
+        reqs = decodes + others if layered is None else decodes + others + [self.requests[layered.req_id]]
         num_reqs = len(reqs)
         rows = np.fromiter((s.row for s in reqs), dtype=np.int64, count=num_reqs)
         num_sched = np.fromiter((num_scheduled[s.req_id] for s in reqs), dtype=np.int64, count=num_reqs)
@@ -191,6 +197,8 @@ class PersistentBatch:
         max_seq_len = int(seq_lens.max())
         block_table = self.block_table[rows, : -(-max_seq_len // bs)]
         sample_mask = seq_lens >= num_tokens
+        if layered is not None and not layered.final:
+            sample_mask[-1] = False  # its rows leave the step before the last layer
         # Each sampling request needs logits at its last known token and at each of its drafts.
         num_logits = np.where(sample_mask, num_drafts + 1, 0)
         logits_cu = np.cumsum(num_logits)
@@ -223,9 +231,22 @@ class PersistentBatch:
             logits_indices=stage("logits_indices", logits_indices.astype(np.int64)),
             sample_mask=sample_mask,
             num_drafts=num_drafts,
+            layered=layered,
         )
         self.staging.end()
         return step
+
+    def _layered(self, so: SchedulerOutput, num_scheduled: dict[str, int]) -> LayeredRows | None:
+        """The step's request prefilled by layer groups, checked (at most one, a span of the layers)."""
+        if not so.layer_spans:
+            return None
+        if len(so.layer_spans) > 1:
+            raise ValueError(f"step {so.step_id}: {len(so.layer_spans)} requests prefilled by layer groups, at most 1")
+        (req_id, (start, end)), = so.layer_spans.items()
+        if req_id not in num_scheduled or not 0 <= start < end <= self.num_layers:
+            raise ValueError(f"step {so.step_id}: layer span [{start}, {end}) of {req_id!r} is not a span of "
+                             f"the model's {self.num_layers} layers for a scheduled request")
+        return LayeredRows(req_id, start, end, num_scheduled[req_id], end == self.num_layers)
 
     def append_sampled(self, sampled_reqs: list[RequestState], token_ids: np.ndarray,
                        num_emitted: np.ndarray | None = None) -> None:

@@ -47,6 +47,10 @@ class PromptLogprobsTracker:
             if new.sampling_params.prompt_logprobs is not None:
                 self._next[new.req_id] = 1  # the first prompt token has no row
 
+    def wants(self, req_id: str) -> bool:
+        """Whether ``req_id`` still has prompt logprobs to report."""
+        return req_id in self._next
+
     def plan(self, inputs: StepInputs) -> PromptLogprobsPlan | None:
         """The rows this step must add to the logits, or None when no request needs any."""
         if not self._next:  # the common step: nothing per request

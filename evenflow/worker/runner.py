@@ -25,6 +25,7 @@ from evenflow.worker.batch import PersistentBatch, RequestState, StepInputs
 from evenflow.worker.config_reader import read_model_config
 from evenflow.worker.device_timer import ForwardTimer
 from evenflow.worker.grammar_mask import apply_grammar_bitmask
+from evenflow.worker.layered_prefill import LayeredForward, LayeredHiddenStore, without_last_request
 from evenflow.worker.kv_cache import (
     allocate_kv_cache, blocks_usable, bytes_per_block, cpu_kv_cache_size, cuda_kv_cache_size, measure_cuda_memory,
 )
@@ -99,7 +100,9 @@ class ModelRunner:
         cfg = self.model_config
         self.attn = backend_cls(self.model.num_heads, self.model.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,
                                 self.kv_dtype)
-        self.batch = PersistentBatch(config.max_num_seqs, config.max_model_len, self.block_size, self.device)
+        self.batch = PersistentBatch(config.max_num_seqs, config.max_model_len, self.block_size, self.device,
+                                     cfg.num_layers)
+        self.layered_hidden = LayeredHiddenStore()  # prompts between their layer-group steps
         self.sampler = Sampler()
         self.forward_timer = ForwardTimer(self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -204,6 +207,9 @@ class ModelRunner:
         so = scheduler_output
         t0 = time.perf_counter()
         self.batch.update(so)
+        if len(self.layered_hidden):
+            self.layered_hidden.drop(so.finished_req_ids + so.preempted_req_ids
+                                     + [new.req_id for new in so.scheduled_new_reqs])
         idle = so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens
         self.prompt_logprobs.update(so)
         if self.lora is not None:
@@ -213,15 +219,20 @@ class ModelRunner:
         inputs = self.batch.prepare_inputs(so)
         lora = None if self.lora is None else self.lora.prepare_step(
             [s.lora for s in inputs.requests], np.diff(inputs.attn.query_start_loc_np))
-        self.threads.before_step(self._step_flops(inputs), inputs.attn.num_tokens)
+        self.threads.before_step(*self._step_work(inputs))
         plan = self.attn.plan(inputs.attn)
         prompt_plan = self.prompt_logprobs.plan(inputs)  # its rows ride after the sampling rows
+        layered = self._layered_forward(so, inputs)
         t1 = time.perf_counter()
         self.forward_timer.start()
         with torch.inference_mode():
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attn, plan,
-                                logits_rows(inputs, prompt_plan), lora, self._argmax_only(so, inputs, prompt_plan))
+                                logits_rows(inputs, prompt_plan), lora, self._argmax_only(so, inputs, prompt_plan),
+                                layered)
         self.forward_timer.stop()
+        if layered is not None and layered.hidden_out is not None:
+            assert inputs.layered is not None
+            self.layered_hidden.keep(inputs.layered.req_id, layered.hidden_out)
         logits, prompt_logprobs = split_prompt_logits(logits, inputs, prompt_plan, self.tp.rank == 0)
         sample_mask = inputs.sample_mask
         sampled_reqs = [s for s, m in zip(inputs.requests, sample_mask.tolist()) if m]
@@ -252,6 +263,18 @@ class ModelRunner:
         out.prompt_logprobs = prompt_logprobs
         return self._lora_report(out)
 
+    def _layered_forward(self, so: SchedulerOutput, inputs: StepInputs) -> LayeredForward | None:
+        """The forward's view of a prompt prefilled by layer groups: its span, its stream so far, and
+        the attention plan of the step without it."""
+        rows = inputs.layered
+        if rows is None:
+            return None
+        if self.lora is not None or self.tp.enabled or self.prompt_logprobs.wants(rows.req_id):
+            raise ValueError(f"step {so.step_id}: a layered prefill of {rows.req_id!r} beside LoRA, tensor "
+                             f"parallelism or prompt logprobs, which this worker does not split by layer")
+        rest = self.attn.plan(without_last_request(inputs.attn, rows.num_rows))
+        return LayeredForward(rows.start, rows.end, rows.num_rows, rest, self.layered_hidden.take(rows, so.step_id))
+
     def _lora_report(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
         """Fill the adapter loads, failures and evictions since the previous output."""
         if self.lora is not None:
@@ -261,11 +284,21 @@ class ModelRunner:
             out.lora_failed_reasons = [reason for _, reason in failed]
         return out
 
-    def _step_flops(self, inputs: StepInputs) -> float:
+    def _step_work(self, inputs: StepInputs) -> tuple[float, int]:
+        """The step's estimated FLOPs and its tokens, a layered prefill's rows counted by their share of
+        the layers (the thread rule compares steps' time per FLOP; evenflow/worker/threads.py)."""
         a = inputs.attn
-        pairs = int((np.diff(a.query_start_loc_np) * a.seq_lens_np).sum())
-        return step_flops(self.num_params, a.num_tokens, pairs, self.model_config.num_layers, self.model.num_heads,
-                          self.model_config.head_dim)
+        pairs = np.diff(a.query_start_loc_np) * a.seq_lens_np
+        tokens = float(a.num_tokens)
+        layered = inputs.layered
+        if layered is not None:
+            share = (layered.end - layered.start) / self.model_config.num_layers
+            tokens -= layered.num_rows * (1 - share)
+            pairs = pairs.astype(np.float64)
+            pairs[-1] *= share
+        flops = step_flops(self.num_params, tokens, float(pairs.sum()), self.model_config.num_layers,
+                           self.model.num_heads, self.model_config.head_dim)
+        return flops, max(int(tokens), 1)
 
     @staticmethod
     def _argmax_only(so: SchedulerOutput, inputs: StepInputs, prompt_plan: object) -> bool:

@@ -197,7 +197,7 @@ class ThreadSetter:
         self.best[bucket] = cost if best is None else min(cost, best * (1 + BASELINE_DRIFT))
 
 
-def step_flops(num_params: int, num_tokens: int, attention_pairs: int, layers: int, heads: int,
+def step_flops(num_params: int, num_tokens: float, attention_pairs: float, layers: int, heads: int,
                head_dim: int) -> float:
     """Estimated FLOPs of a step: 2 per weight per token, plus QK^T and PV over every
     (query token, context token) pair in every layer and head."""

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from evenflow.worker.attention.base import AttentionBackend, KVCache
 from evenflow.worker.config_reader import ModelConfig
+from evenflow.worker.layered_prefill import LayeredForward, layered_boundary
 from evenflow.worker.lora.pool import LoRAStep
 from evenflow.worker.models.compiled_ops import CompiledOps, swiglu
 from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan, int4_fits, int4_plan, layout_matches
@@ -290,17 +291,22 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor,
         lora: LoRAStep | None = None,
         greedy: bool = False,
+        layered: LayeredForward | None = None,
     ) -> torch.Tensor:
         """Run every layer over the step's tokens; return float32 logits [len(logits_indices), vocab].
 
         ``lora`` adds the step's LoRA adapters to the projections they target (evenflow/worker/lora/pool.py).
         ``greedy``: only each row's argmax is read, so the LM head may leave the other logits rough.
+        ``layered``: the step's last rows run through layers [start, end) only (a prompt prefilled by
+        layer groups, evenflow/worker/layered_prefill.py); their stream comes in ``hidden_in`` and, when
+        ``end`` is not the last layer, goes out in ``hidden_out`` (they then have no logits row).
         """
         cfg = self.cfg
         eps, d = cfg.rms_norm_eps, cfg.head_dim
-        n = input_ids.shape[0]
-        cos, sin = self.rotary.lookup(positions)
-        x = self.embed_tokens(input_ids)
+        cos_all, sin_all = self.rotary.lookup(positions)
+        num_rest = input_ids.shape[0] - (layered.num_rows if layered is not None else 0)
+        # The layered rows join the step at their span's first layer: from the embedding at layer 0.
+        x = self.embed_tokens(input_ids if layered is None or layered.start == 0 else input_ids[:num_rest])
         qk_heads = self.num_heads + self.num_kv_heads
         qk_end = self.q_size + self.kv_size
         linear, tp, dtype, kv_dtype = self.linear, self.tp, self.dtype, self.kv_dtype
@@ -308,11 +314,18 @@ class LlamaModel(nn.Module):
         # written so by the op before it; outputs stay in that dtype and are widened by the op that reads
         # them (the residual add, the rotary multiply). LoRA's matmuls need the model's dtype.
         act = dtype if lora is not None else None
-        # Many-row steps on the narrowing path run the elementwise groups compiled (models/compiled_ops.py).
-        ops = self.compiled_ops if self.compiled_ops is not None and self.compiled_ops.takes(n) and lora is None \
-            else None
+        plan = attn_plan if layered is None or layered.start == 0 else layered.rest_plan
         delta: torch.Tensor | None = None  # the last projection's output, added to x by the next norm
         for i, (layer, w, (in_scaled, post_scaled)) in enumerate(zip(self.layers, self._linears, self._scaled_norms)):
+            if layered is not None and i in (layered.start, layered.end) and (i > 0 or layered.start > 0):
+                x, delta, plan = layered_boundary(i, x, delta, layered, attn_plan, num_rest)
+            n = x.shape[0]
+            if n == 0:  # the layered rows are the step and are outside their span here
+                continue
+            cos, sin = (cos_all, sin_all) if n == cos_all.shape[0] else (cos_all[:n], sin_all[:n])
+            # Many-row steps on the narrowing path run the elementwise groups compiled (models/compiled_ops.py).
+            ops = self.compiled_ops if self.compiled_ops is not None and self.compiled_ops.takes(n) and lora is None \
+                else None
             h = self._add_norm(x, delta, layer.input_norm, in_scaled, act or linear.act_dtype(w.qkv, n), ops)
             qkv = linear(h, w.qkv, w.qkv_bias)
             if lora is not None:
@@ -327,7 +340,7 @@ class LlamaModel(nn.Module):
                 qk = qk if qk.dtype == kv_dtype else qk.to(kv_dtype)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, qk_end:].view(n, self.num_kv_heads, d)
-            o = attn.forward(q, k, v if v.dtype == kv_dtype else v.to(kv_dtype), kv_caches[i], attn_plan)
+            o = attn.forward(q, k, v if v.dtype == kv_dtype else v.to(kv_dtype), kv_caches[i], plan)
             o_act = act or linear.act_dtype(w.o, n)
             o = o if o.dtype == o_act else o.to(o_act)
             delta = linear(o, w.o, None)

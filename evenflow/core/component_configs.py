@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from evenflow.protocol import WorkerConfig
+from evenflow.protocol.hf_config import read_hf_config
 
 from evenflow.core.engine_config import EngineConfig
 from evenflow.core.sched.config import SchedulerConfig
@@ -17,7 +18,18 @@ def scheduler_config(cfg: EngineConfig, num_kv_blocks: int, block_size: int, max
         enable_prefix_caching=cfg.enable_prefix_caching, target_itl_ms=cfg.target_itl_ms,
         auto_target_itl=cfg.auto_target_itl, max_num_partial_prefills=cfg.max_num_partial_prefills,
         max_long_partial_prefills=cfg.max_long_partial_prefills, speculative_config=cfg.speculative_config,
-        max_loras=cfg.max_loras if cfg.enable_lora else 0)
+        max_loras=cfg.max_loras if cfg.enable_lora else 0, num_layers=layered_prefill_layers(cfg))
+
+
+def layered_prefill_layers(cfg: EngineConfig) -> int:
+    """The model's layer count where prompts may be prefilled by layer groups (core/sched/layered_prefill.py),
+    else 0: only under the adaptive budget, and not beside LoRA, speculation or tensor parallelism."""
+    adaptive = cfg.auto_target_itl or cfg.target_itl_ms is not None
+    if not (cfg.layered_prefill and adaptive) or cfg.enable_lora or cfg.speculative_config is not None \
+            or cfg.tensor_parallel_size > 1:
+        return 0
+    layers = read_hf_config(cfg.model).text.get("num_hidden_layers")
+    return layers if isinstance(layers, int) and layers > 1 else 0
 
 
 def worker_template(cfg: EngineConfig, model_path: str, max_model_len: int) -> WorkerConfig:

@@ -47,6 +47,7 @@ class EngineConfig:
     dtype: str = "auto"
     quantization: str | None = None  # None: follows --dtype (auto: GGUF Q4 projections 4-bit where faster)
     enforce_eager: bool = False  # True: no torch.compile'd ops (models/compiled_ops.py)
+    layered_prefill: bool = True  # under the adaptive budget: a prompt beside decodes by layer groups
     device: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -230,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager,
       help="never torch.compile: on CPU, 4-bit GGUF weights otherwise get their layers' elementwise ops compiled "
            "for steps of many rows at start-up (a few seconds; cached by inductor between runs)")
+    a("--layered-prefill", action=argparse.BooleanOptionalAction, default=d.layered_prefill,
+      help="under --target-itl-ms: a prompt beside decoding streams runs all its tokens through a few layers a "
+           "step (its work that of one unchunked step) rather than in token chunks; off with LoRA, speculative "
+           "decoding and tensor parallelism")
     a("--device", default=d.device, help="worker device: auto, cpu, cuda")
     a("--seed", type=int, default=d.seed, help="random seed of the workers")
     a("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, help="worker processes (ranks)")

@@ -24,6 +24,8 @@ class SchedulerCounts(Struct, array_like=True):
     num_scheduled_tokens: int = 0  # cumulative sum of every step's scheduled tokens (recomputation included)
     schedule_s: float = 0.0  # cumulative seconds in Scheduler.schedule
     update_s: float = 0.0  # cumulative seconds in Scheduler.update_from_output
+    num_layered_prefills: int = 0  # cumulative prompt chunks prefilled by layer groups (counted at their last)
+    num_layer_group_steps: int = 0  # cumulative steps that carried a layer group
 
 
 class KVCacheStats(Struct, array_like=True):

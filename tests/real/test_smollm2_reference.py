@@ -1,7 +1,8 @@
 """The real model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to float32) in the real runner,
 driven by the real scheduler, against transformers loading the same GGUF: greedy token ids equal
 at the default budget and at budgets that cut the chat prompts mid-way, with overlap on and off,
-prefix-cache hits, preemption, n-gram drafts and a JSON-schema grammar; logprobs within 2e-3."""
+prompts prefilled by layer groups, prefix-cache hits, preemption, n-gram drafts and a JSON-schema grammar;
+logprobs within 2e-3."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from evenflow.core.sched.budget_controller import BudgetController
 from evenflow.core.sched.structured_output import StructuredOutputManager
 from evenflow.frontend.chat_template import render_chat
 from evenflow.frontend.tokenizer import Tokenizer
@@ -77,6 +79,22 @@ def test_greedy_equals_transformers(runner: ModelRunner, smollm2_tokenizer: Toke
     assert all(len(j.prompt) > 64 for j in jobs)  # both small budgets cut every prompt mid-way
     result = run_jobs(runner, jobs, num_blocks=64, budget=budget, overlap=overlap)
     assert max(s.total_num_scheduled_tokens for s in result.steps) <= budget
+    assert result.outputs == expect(reference, jobs)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prompts_by_layer_groups_beside_a_stream(runner: ModelRunner, smollm2_tokenizer: Tokenizer, reference: Any,
+                                                 overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a target no step meets, the later prompts (each after the shared system prompt's cached
+    blocks) climb the 30 layers a group a step beside the decoding stream (the controller's choice of
+    groups over chunks forced: tests/core/test_layered_prefill.py tests it)."""
+    monkeypatch.setattr(BudgetController, "prefers_layers", lambda *args: True)
+    jobs = [Job(f"lay-{i}-{overlap}", chat_ids(smollm2_tokenizer, q), 40 if i == 0 else 8, arrive_step=12 * i)
+            for i, q in enumerate(QUESTIONS)]
+    result = run_jobs(runner, jobs, num_blocks=64, budget=2048, overlap=overlap,
+                      scheduler_overrides={"target_itl_ms": 0.001, "num_layers": 30})
+    climbed = {req for s in result.steps for req in s.layer_spans}
+    assert climbed == {jobs[1].req_id, jobs[2].req_id}
     assert result.outputs == expect(reference, jobs)
 
 

@@ -73,17 +73,20 @@ class KVCacheManager:
         return ComputedBlocks(blocks, len(blocks) * self.block_size)
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
+        self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None, cache: bool = True
     ) -> list[KVBlock] | None:
         """Make room for ``num_new_tokens`` more tokens after the request's computed ones.
 
         ``computed`` is the prefix hit of a request being admitted (its ``num_computed_tokens``
         is still 0): those blocks are taken first. Returns the newly allocated blocks (possibly
         none), or None, changing nothing, when the pool cannot serve the whole request.
+        ``cache``: offer the blocks those tokens fill to prefix hits (a later step reads them after this
+        one wrote them); False for a prompt prefilled by layer groups, whose blocks are offered by the
+        call of its last group's step.
         """
         req_blocks = self.req_to_blocks.get(request.request_id)
         if req_blocks is None or computed is not None:
-            return self._allocate_first(request, num_new_tokens, computed or ComputedBlocks())
+            return self._allocate_first(request, num_new_tokens, computed or ComputedBlocks(), cache)
         # A running request: usually a decode that still fits in its last block.
         block_size = self.block_size
         num_total_tokens = request.num_computed_tokens + num_new_tokens
@@ -95,7 +98,7 @@ class KVCacheManager:
             new_blocks = self.pool.get_new_blocks(num_new_blocks, req_blocks[-1] if req_blocks else None,
                                                   self._known_hashes(request, len(req_blocks)))
             req_blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and cache:
             # Only tokens that are known (not placeholders, not drafts) may be hashed.
             num_known = request.num_tokens
             num_full_blocks = (num_total_tokens if num_total_tokens < num_known else num_known) // block_size
@@ -103,7 +106,8 @@ class KVCacheManager:
                 self._cache_full_blocks(request, num_full_blocks)
         return new_blocks
 
-    def _allocate_first(self, request: Request, num_new_tokens: int, computed: ComputedBlocks) -> list[KVBlock] | None:
+    def _allocate_first(self, request: Request, num_new_tokens: int, computed: ComputedBlocks, cache: bool = True
+                        ) -> list[KVBlock] | None:
         """First allocation of an admitted (new or resumed) request, after its prefix hit."""
         req_id = request.request_id
         if req_id in self.req_to_blocks:
@@ -128,7 +132,8 @@ class KVCacheManager:
                 # blocks again, and counting that would inflate the hit rate exactly under pressure.
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += computed.num_tokens
-            self._cache_full_blocks(request, min(num_total_tokens, request.num_tokens) // self.block_size)
+            if cache:
+                self._cache_full_blocks(request, min(num_total_tokens, request.num_tokens) // self.block_size)
         return new_blocks
 
     def _known_hashes(self, request: Request, first: int) -> list[BlockHash]:

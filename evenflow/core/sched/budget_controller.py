@@ -57,9 +57,10 @@ from evenflow.protocol import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from evenflow.core.sched.auto_target import AutoTarget
 from evenflow.core.sched.budget_trace import BudgetTrace, PlannedStep
 from evenflow.core.sched.config import SchedulerConfig
+from evenflow.core.sched.layered_prefill import LayerPrice, price_key
 from evenflow.core.sched.prefill_gate import PrefillGate, RunningSurvey
 from evenflow.core.sched.step_time_model import (
-    MeasuredPromptCost, StepCosts, StepShape, StepTimeModel, shape_of_step,
+    MeasuredPromptCost, StepCosts, StepShape, StepTimeModel, chunk_pairs, shape_of_step,
 )
 
 log = logging.getLogger("evenflow.core.sched.budget_controller")
@@ -105,6 +106,7 @@ class BudgetStats:
     measured_s: float = 0.0
     num_steps: int = 0
     num_within_target: int = 0
+    layer_group_steps: int = 0  # steps planned for a prompt's layer group (layered_prefill.py)
 
 
 @dataclass
@@ -116,6 +118,9 @@ class _Planned:
     decodes_alone_s: float = 0.0  # the model's prediction of the step without its prompt chunks
     aimed: bool = False  # its allowance was sized to the aim (not forced by the share or the floor)
     prefill_context: int = 0  # computed tokens before its first prompt chunk
+    layers: int = 0  # a layered prefill's group: its layers, its chunk's tokens and its price's key
+    layer_tokens: int = 0
+    layer_key: tuple[int, int, int] = (0, 0, 0)
     trace: PlannedStep | None = None
 
     @property
@@ -144,6 +149,8 @@ class BudgetController:
         self._planned: dict[int, _Planned] = {}  # step_id -> what was predicted for it
         self._trace = BudgetTrace.from_env()
         self._pending_trace: PlannedStep | None = None  # prefill_allowance's decision, until record()
+        self.layer_price = LayerPrice()
+        self._pending_layers: tuple[tuple[int, int, int], int, float] | None = None  # layer_group's, until record()
         self._bound_by = ""  # which rule set the last allowance
         self._next_log = time.monotonic() + LOG_INTERVAL_S
         self._logged = BudgetStats()
@@ -195,6 +202,73 @@ class BudgetController:
                                               base_s * 1e3, allowance, bound_by)
         return allowance
 
+    def prefers_layers(self, survey: RunningSurvey, num_tokens: int, num_computed: int, num_layers: int,
+                       allowance: int) -> bool:
+        """Whether a prompt chunk (``num_tokens`` after ``num_computed``) that ``allowance`` would cut goes
+        sooner by layer groups (layered_prefill.py): past the fit's warm-up, one of its layers fits the
+        aim's room beside the decodes, and its groups take fewer steps than its token chunks would, at
+        what prompt tokens in chunks measured across the contexts it would pass (``MeasuredPromptCost``;
+        the fit's price where none was measured). On the small demo model one layer of a 2032-token
+        prompt costs more than the room; on the tiny one four layers' groups take as many steps as its
+        chunks: both go in chunks."""
+        if not survey.decodes or self.model.num_observations < MIN_OBSERVATIONS:
+            return False
+        cost = self.model.fitted_costs()
+        room_s = min(self.aim_s, STALL_BOUND * self.target_s) - self._base_seconds(cost, survey)
+        per_layer_s = self._layer_price_s(cost, num_tokens, num_computed, 0, num_layers)
+        if room_s <= 0 or not 0 < per_layer_s <= room_s:
+            return False
+        contexts = (num_computed, num_computed + num_tokens // 2, num_computed + num_tokens - 1)
+        measured = [self.prompt_cost.per_token_s(c) for c in contexts if self.prompt_cost.num_steps(c) >= AIM_MIN_SAMPLES]
+        token_s = (sum(measured) / len(measured) if measured else
+                   cost.per_token + cost.per_read + cost.per_pair * (num_computed + num_tokens / 2))
+        chunked_steps = max(-(-num_tokens // max(allowance, 1)), math.ceil(num_tokens * token_s / room_s))
+        return -(-num_layers // int(room_s / per_layer_s)) < chunked_steps
+
+    def _layer_price_s(self, cost: StepCosts, num_tokens: int, num_computed: int, group: int, num_layers: int) -> float:
+        """One layer of the chunk beside the decodes: what the same shape's groups measured
+        (``LayerPrice``), else the fit's share of the whole chunk."""
+        measured = self.layer_price.per_layer_s(price_key(num_tokens, num_computed, group), num_tokens)
+        if measured > 0:
+            return measured
+        whole_s = (cost.per_token * num_tokens + cost.per_read * (num_computed + num_tokens)
+                   + cost.per_pair * chunk_pairs(num_tokens, num_computed))
+        return max(whole_s, self._prompt_token_floor_s(num_computed) * num_tokens) / num_layers
+
+    def layer_group(self, survey: RunningSurvey, num_tokens: int, num_computed: int, num_layers: int,
+                    group: int = 0) -> int:
+        """Layers a prompt prefilled by layer groups (``num_tokens`` after ``num_computed``) runs through in
+        the next step: the layers whose price fits the aim's room beside the decodes (its ``group``-th;
+        layered_prefill.py), at least one; bounded by trust as an allowance is, in tokens x share."""
+        if survey.decodes == 0:
+            self._bound_by = "room"
+            return num_layers
+        if self.model.num_observations < MIN_OBSERVATIONS:
+            self._bound_by = "warm-up"
+            return 1
+        cost = self.model.fitted_costs()
+        base_s = self._base_seconds(cost, survey)
+        aim_s = min(self.aim_s, STALL_BOUND * self.target_s)
+        room_s, self._bound_by = aim_s - base_s, "aim"
+        if room_s <= 0:  # the decodes alone take the aim: the prompt's share, as for a chunk
+            room_s, self._bound_by = base_s * PREFILL_MIN_SHARE / (1 - PREFILL_MIN_SHARE), "share"
+        key = price_key(num_tokens, num_computed, group)
+        per_layer_s = self._layer_price_s(cost, num_tokens, num_computed, group, num_layers)
+        layers = int(room_s / per_layer_s) if per_layer_s > 0 else num_layers
+        trusted = int(num_layers * TRUST_GROWTH * self.largest_prefill_seen / num_tokens)
+        if trusted < layers:
+            layers, self._bound_by = trusted, "trust"
+        if layers < 1:
+            layers, self._bound_by = 1, "floor"
+        layers = min(layers, num_layers)
+        self.stats.layer_group_steps += 1
+        measured = self.layer_price.per_layer_s(key, num_tokens)
+        self._pending_layers = (key, layers, layers * measured if measured > 0 else 0.0)
+        if self._trace is not None:
+            self._pending_trace = PlannedStep(-1, self.target_s * 1e3, self.aim_s * 1e3, survey.decodes,
+                                              base_s * 1e3, layers, f"layers:{self._bound_by}")
+        return layers
+
     @staticmethod
     def _base_seconds(cost: StepCosts, survey: RunningSurvey) -> float:
         """The step's decodes alone (and a prefill request's fixed share), predicted."""
@@ -239,21 +313,30 @@ class BudgetController:
             return
         survey = gate.survey
         drafts = max(output.total_num_scheduled_tokens - survey.decodes - gate.prefill_tokens, 0)
-        shape = shape_of_step(survey.decodes, survey.decode_context, gate.chunks, drafts)
+        shape = shape_of_step(survey.decodes, survey.decode_context, gate.chunks, drafts, gate.chunk_share)
+        # A layered prefill's group counts as its share of the chunk's tokens (trust, the measured cost).
+        prefill_tokens = round(gate.prefill_tokens * gate.chunk_share)
         step_id = output.step_id
         self._planned.pop(step_id - 8, None)  # a step never sent (an engine shutting down) is not kept
         decodes_alone = shape_of_step(survey.decodes, survey.decode_context, [], drafts)
         alone_s = self.model.predict(decodes_alone)
         predicted_s = self.model.predict(shape)
         context = gate.chunks[0][1] if gate.chunks else 0
-        if survey.decodes and gate.prefill_tokens:
+        if survey.decodes and prefill_tokens:
             floor_s = self._prompt_token_floor_s(context)
-            predicted_s = max(predicted_s, max(alone_s, 0.0) + floor_s * gate.prefill_tokens)
-        planned = _Planned(shape, predicted_s, survey.decodes > 0, gate.prefill_tokens, alone_s,
+            predicted_s = max(predicted_s, max(alone_s, 0.0) + floor_s * prefill_tokens)
+        layered, self._pending_layers = self._pending_layers, None
+        if layered is not None and gate.chunk_share < 1:
+            key, layers, measured_s = layered
+            if measured_s > 0:  # priced by its own earlier groups (LayerPrice)
+                predicted_s = max(alone_s, 0.0) + measured_s
+        planned = _Planned(shape, predicted_s, survey.decodes > 0, prefill_tokens, alone_s,
                            self._bound_by not in UNAIMED, context)
+        if layered is not None and gate.chunk_share < 1:
+            planned.layers, planned.layer_key, planned.layer_tokens = layered[1], layered[0], gate.prefill_tokens
         if self._pending_trace is not None:
             planned.trace, self._pending_trace = self._pending_trace, None
-            planned.trace.step_id, planned.trace.prefill_tokens = step_id, gate.prefill_tokens
+            planned.trace.step_id, planned.trace.prefill_tokens = step_id, prefill_tokens
             planned.trace.predicted_ms = planned.predicted_s * 1e3
         self._planned[step_id] = planned
 
@@ -271,6 +354,9 @@ class BudgetController:
             return
         if planned.has_decodes and (seconds <= self.target_s or seconds <= TRUSTED_ERROR * planned.predicted_s):
             self.largest_prefill_seen = max(self.largest_prefill_seen, planned.prefill_tokens)
+        if planned.layers:
+            self.layer_price.observe(planned.layer_key, seconds - max(planned.decodes_alone_s, 0.0), planned.layers,
+                                     planned.layer_tokens)
         if planned.has_decodes and planned.predicted_s > 0 and self.model.num_observations >= MIN_OBSERVATIONS:
             s = self.stats
             s.predicted_s += planned.predicted_s
@@ -323,10 +409,12 @@ class BudgetController:
         source = (f"auto: {self.auto.decode_step_s * 1e3:.1f} ms decode step" if self.auto is not None
                   else "--target-itl-ms")
         log.info("token budget: target %.1f ms (%s), aim %.1f ms, mean budget %.1f tokens over %d steps "
-                 "(ceiling %d), %.1f%% of %d steps with decodes within the target", self.target_s * 1e3, source,
-                 self.aim_s * 1e3, mean_budget, steps, self.max_tokens, 100 * within, controlled)
+                 "(ceiling %d), %d of them a prompt's layer group, %.1f%% of %d steps with decodes within the target",
+                 self.target_s * 1e3, source, self.aim_s * 1e3, mean_budget, steps, self.max_tokens,
+                 s.layer_group_steps - last.layer_group_steps, 100 * within, controlled)
         self._logged = BudgetStats(budget_log2_counts=list(s.budget_log2_counts), budget_sum=s.budget_sum,
-                                   num_steps=s.num_steps, num_within_target=s.num_within_target)
+                                   num_steps=s.num_steps, num_within_target=s.num_within_target,
+                                   layer_group_steps=s.layer_group_steps)
         self._next_log = time.monotonic() + LOG_INTERVAL_S
 
     def fill_stats(self, stats: SchedulerStats) -> SchedulerStats:

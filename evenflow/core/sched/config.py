@@ -86,6 +86,9 @@ class SchedulerConfig:
     max_num_partial_prefills: int = 1  # > 1: bounds on prompts mid-prefill (vLLM V0), see prefill_gate.py
     max_long_partial_prefills: int = 1
     max_loras: int = 0  # 0: LoRA off; else the most adapters among running requests (--max-loras)
+    # The model's layers, where a prompt beside decodes may be prefilled by layer groups under the
+    # adaptive budget (layered_prefill.py); 0: off (a fixed budget, LoRA, speculation, TP > 1).
+    num_layers: int = 0
 
     @property
     def effective_long_prefill_threshold(self) -> int:
@@ -103,6 +106,10 @@ class SchedulerConfig:
         check_prefill_limits(self.max_num_partial_prefills, self.max_long_partial_prefills, self.target_itl_ms)
         if self.auto_target_itl and self.target_itl_ms is not None:
             raise ConfigError("a derived target (auto_target_itl) and --target-itl-ms exclude each other")
+        if self.num_layers and (self.target_itl_ms is None and not self.auto_target_itl
+                                or self.max_loras or self.speculative_config is not None):
+            raise ConfigError("prefill by layer groups runs under the adaptive budget only, without LoRA or "
+                              "speculative decoding")
         # A request that may grow to max_model_len must fit in the pool on its own; otherwise it
         # would preempt everybody and still never finish.
         blocks_per_max_len = -(-self.max_model_len // self.block_size)

@@ -48,6 +48,7 @@ class RequestLedger:
         self._next_step_id = 0
         self._num_steps = 0
         self._num_preemptions = 0
+        self._num_layered_prefills = self._num_layer_group_steps = 0  # core/sched/layered_prefill.py
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_scheduled_tokens = 0  # every step's scheduled tokens, recomputation included
@@ -228,6 +229,8 @@ class RequestLedger:
                 num_scheduled_tokens=self._num_scheduled_tokens,
                 schedule_s=self._schedule_s,
                 update_s=self._update_s,
+                num_layered_prefills=self._num_layered_prefills,
+                num_layer_group_steps=self._num_layer_group_steps,
             ),
             kv_cache=self.kv_cache_manager.stats(),
             spec_decode=self._spec_counters.stats(),

@@ -79,6 +79,7 @@ class PrefillGate:
         self.num_prefills = self.num_long = 0  # granted in this step
         self.prefill_tokens = 0
         self.chunks: list[tuple[int, int]] = []  # (new tokens, computed before), for the step-time model
+        self.chunk_share = 1.0  # of the layers the chunks run through (a layered prefill's group)
         if self.bounded:
             schedulable = max(1, min(max_partial, survey.prefills + num_waiting))
             self.chunk_cap = max(1, allowance // schedulable)
@@ -113,6 +114,19 @@ class PrefillGate:
         self.allowance_left -= num_new
         self.prefill_tokens += num_new
         self.chunks.append((num_new, num_computed))
+
+
+    def close(self) -> None:
+        """No prompt chunk in this step (a prompt prefilled by layer groups takes its room)."""
+        self.allowance_left = 0
+
+    def commit_layer_group(self, num_new: int, num_computed: int, share: float) -> None:
+        """Count a layered prefill's step: its chunk through ``share`` of the layers, and no other."""
+        self.chunks = [(num_new, num_computed)]
+        self.chunk_share = share
+        self.prefill_tokens = num_new
+        self.num_prefills += 1
+        self.allowance_left = 0
 
 
 class OpenPrefillGate(PrefillGate):

@@ -1,9 +1,10 @@
 """The scheduler: one token budget per step, shared by decodes and chunked prefills.
 
-``schedule()`` is three phases over one ``StepPlan``: the RUNNING requests, in order, each with as
+``schedule()`` is four phases over one ``StepPlan``: the RUNNING requests, in order, each with as
 many of its remaining tokens as the budget allows (and its draft slots); then, only if nobody had to
 be preempted, the WAITING requests, each only when the free blocks hold all its known tokens; then
-closing the step into a ``SchedulerOutput``. When the KV
+the next layer group of a prompt prefilled by layer groups, if one is climbing; then closing the step
+into a ``SchedulerOutput``. When the KV
 cache cannot hold a chunk, the last RUNNING request (latest admitted under ``fcfs``, lowest
 priority under ``priority``) is preempted by recompute. Each phase has one hook method for what
 LoRA (``_ready_to_admit``), KV offload (``_computed_blocks``, ``_close_step``) and a draft model
@@ -17,7 +18,8 @@ after a later step was scheduled), is ``RequestLedger`` in evenflow/core/sched/l
 
 Every prefill chunk passes the step's ``PrefillGate``: open by default (the token budget alone
 limits it); with ``--target-itl-ms`` the ``BudgetController`` chooses how much prompt work rides
-along with the decodes, and ``--max-num-partial-prefills`` bounds the prompts mid-prefill.
+along with the decodes (a prompt it would cut goes by layer groups instead: layered_prefill.py), and
+``--max-num-partial-prefills`` bounds the prompts mid-prefill.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from evenflow.protocol import (
 
 from evenflow.core.kv.block_pool import KVBlock
 from evenflow.core.kv.manager import ComputedBlocks
+from evenflow.core.sched.layered_prefill import LayeredPrefill, may_layer
 from evenflow.core.sched.prefill_gate import PrefillGate
 from evenflow.core.sched.step_plan import StepPlan
 from evenflow.core.request import Request, RequestStatus
@@ -45,6 +48,8 @@ from evenflow.core.sched.ledger import RequestLedger
 class Scheduler(RequestLedger):
     """Decides, step by step, which requests run and how many of their tokens."""
 
+    _layered: LayeredPrefill | None = None  # the prompt climbing the layers, if any (layered_prefill.py)
+
     def schedule(self) -> SchedulerOutput:
         """Plan the next step: which requests run, how many tokens each, with which blocks."""
         start = time.perf_counter()
@@ -52,6 +57,8 @@ class Scheduler(RequestLedger):
         self._schedule_running(step)
         if not step.preempted_req_ids:  # admitted requests would only preempt back
             self._schedule_waiting(step)
+        if self._layered is not None:
+            self._schedule_layer_group(step)
         output = self._close_step(step)
         self._schedule_s += time.perf_counter() - start
         return output
@@ -65,6 +72,8 @@ class Scheduler(RequestLedger):
         controller = self.budget_controller
         gate = PrefillGate.for_step(config, self._long_threshold, self.running, len(self.waiting),
                                     None if controller is None else controller.prefill_allowance)
+        if self._layered is not None and not gate.is_open:
+            gate.close()  # the prompt climbing the layers takes the step's prompt room
         return StepPlan(step_id=step_id, token_budget=config.max_num_batched_tokens, gate=gate,
                         num_running_at_start=len(self.running))
 
@@ -83,8 +92,15 @@ class Scheduler(RequestLedger):
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
+            if self._layered is not None and request is self._layered.request:
+                index += 1  # its next layer group comes after the others (_schedule_layer_group)
+                continue
             num_new = 0 if request.held else self._num_new_tokens_running(request, token_budget)
             if gated and num_new > 0:
+                if (self._layer_instead(step, request, request.num_computed_tokens, token_budget)
+                        and self._start_running_layered(step, request, token_budget)):
+                    index += 1
+                    continue
                 num_new = gate.limit(request, request.num_computed_tokens, num_new)
             if num_new <= 0:
                 index += 1
@@ -150,6 +166,16 @@ class Scheduler(RequestLedger):
                 continue
             computed = self._computed_blocks(request)
             num_computed = computed.num_tokens
+            if self._layer_instead(step, request, num_computed, token_budget):
+                num_layered = self._layered_chunk(request, num_computed, token_budget)
+                if (self.running and not self._pool_holds_prompt(request, computed)
+                        or kv.allocate_slots(request, num_layered, computed, cache=False) is None):
+                    break  # as below: admit nobody behind it
+                waiting.pop()
+                self._admit(step, request, num_computed)
+                self._layered = LayeredPrefill(request, num_layered, num_computed)
+                gate.close()
+                break  # its first group takes the step's prompt room (_schedule_layer_group)
             num_new = self._clamp(request.num_tokens - num_computed, num_computed, token_budget)
             num_new = gate.limit(request, num_computed, num_new)
             if num_new <= 0:
@@ -172,6 +198,74 @@ class Scheduler(RequestLedger):
         for request in reversed(skipped):
             waiting.add_front(request)
         step.token_budget = token_budget
+
+    def _layer_instead(self, step: StepPlan, request: Request, num_computed: int, token_budget: int) -> bool:
+        """Whether ``request``'s prompt goes by layer groups rather than in token chunks: the adaptive
+        budget would cut it, streams are decoding beside it, no prompt chunk or other layered prefill has
+        this step's room, and the controller expects its groups to finish sooner (layered_prefill.py)."""
+        gate = step.gate
+        if (not self.config.num_layers or request.num_tokens - num_computed <= 1 or self._layered is not None
+                or gate.is_open or not gate.survey.decodes or gate.prefill_tokens):
+            return False
+        num_new = self._layered_chunk(request, num_computed, token_budget)
+        controller = self.budget_controller
+        return (controller is not None and num_new > gate.allowance_left and may_layer(self.config, request, num_new)
+                and controller.prefers_layers(gate.survey, num_new, num_computed, self.config.num_layers,
+                                              gate.allowance_left))
+
+    def _layered_chunk(self, request: Request, num_computed: int, token_budget: int) -> int:
+        """The tokens a layered prefill of ``request`` takes: all it has left, as far as the step holds."""
+        return self._clamp(request.num_tokens - num_computed, num_computed, token_budget)
+
+    def _start_running_layered(self, step: StepPlan, request: Request, token_budget: int) -> bool:
+        """A running request mid-prompt (resumed, or chunked before streams were decoding) continues by
+        layer groups when the free blocks hold its chunk (else False: a token chunk, which may preempt)."""
+        num_new = self._layered_chunk(request, request.num_computed_tokens, token_budget)
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, cache=False)
+        if new_blocks is None:
+            return False
+        step.cached_reqs.append(CachedRequestData(
+            req_id=request.request_id, new_block_ids=[block.block_id for block in new_blocks],
+            num_computed_tokens=request.num_computed_tokens))
+        self._layered = LayeredPrefill(request, num_new, request.num_computed_tokens)
+        step.gate.close()
+        return True
+
+    def _schedule_layer_group(self, step: StepPlan) -> None:
+        """The layered prefill's next group of layers, after everybody else: it waits a step while the
+        step cannot hold its chunk. Its last group counts the chunk as computed and samples."""
+        layered = self._layered
+        assert layered is not None and self.budget_controller is not None  # layered only under the controller
+        request = layered.request
+        if layered.num_tokens > step.token_budget or request.held:
+            return
+        num_layers = self.config.num_layers
+        layers = self.budget_controller.layer_group(step.gate.survey, layered.num_tokens, layered.num_computed,
+                                                    num_layers, layered.num_groups)
+        layered.num_groups += 1
+        start, end = layered.span(layers, num_layers)
+        req_id = request.request_id
+        if start > 0:  # the first group's step carried its blocks (admission, _start_running_layered)
+            step.cached_reqs.append(CachedRequestData(req_id=req_id, new_block_ids=[],
+                                                      num_computed_tokens=layered.num_computed))
+        step.layer_spans[req_id] = (start, end)
+        step.num_scheduled_tokens[req_id] = layered.num_tokens
+        step.token_budget -= layered.num_tokens
+        step.gate.commit_layer_group(layered.num_tokens, layered.num_computed, (end - start) / num_layers)
+        self._num_layer_group_steps += 1
+        if end < num_layers:
+            layered.next_layer = end
+            return
+        self.kv_cache_manager.allocate_slots(request, layered.num_tokens)  # its blocks now serve prefix hits
+        self._advance(request, layered.num_tokens)
+        self._layered = None
+        self._num_layered_prefills += 1
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """As the ledger's, and a prompt that finishes (an abort) while climbing stops climbing."""
+        if self._layered is not None and request is self._layered.request:
+            self._layered = None
+        super()._finish(request, status)
 
     def _ready_to_admit(self, request: Request) -> bool:
         """Whether a waiting request may be admitted now; False: it keeps its place (or it has
@@ -237,6 +331,7 @@ class Scheduler(RequestLedger):
             num_draft_slots=step.num_draft_slots,
             finished_req_ids=finished_req_ids,
             preempted_req_ids=step.preempted_req_ids,
+            layer_spans=step.layer_spans,
         )
         if self.budget_controller is not None:
             self.budget_controller.record(output, step.gate)
@@ -306,6 +401,8 @@ class Scheduler(RequestLedger):
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: free the blocks, forget progress, wait at the front of the queue."""
+        if self._layered is not None and request is self._layered.request:
+            self._layered = None  # its layers so far are lost with its blocks
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

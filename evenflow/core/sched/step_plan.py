@@ -16,7 +16,7 @@ class StepPlan:
     """
 
     __slots__ = ("step_id", "token_budget", "gate", "num_running_at_start", "num_scheduled_tokens",
-                 "num_draft_slots", "new_reqs", "cached_reqs", "preempted_req_ids", "structured")
+                 "num_draft_slots", "new_reqs", "cached_reqs", "preempted_req_ids", "structured", "layer_spans")
 
     def __init__(self, step_id: int, token_budget: int, gate: PrefillGate, num_running_at_start: int) -> None:
         self.step_id = step_id
@@ -29,3 +29,4 @@ class StepPlan:
         self.cached_reqs: list[CachedRequestData] = []
         self.preempted_req_ids: list[str] = []
         self.structured: list[Request] = []  # requests with a grammar that sample this step
+        self.layer_spans: dict[str, tuple[int, int]] = {}  # a prompt prefilled by layer groups: its layers

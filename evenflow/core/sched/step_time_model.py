@@ -58,15 +58,18 @@ def chunk_pairs(num_new: float, num_computed: float) -> float:
     return num_new * (num_computed + (num_new + 1) / 2)
 
 
-def shape_of_step(decodes: int, decode_computed: int, chunks: list[tuple[int, int]], drafts: int = 0) -> StepShape:
+def shape_of_step(decodes: int, decode_computed: int, chunks: list[tuple[int, int]], drafts: int = 0,
+                  chunk_share: float = 1.0) -> StepShape:
     """A step of ``decodes`` decodes (``decode_computed``: their computed tokens, summed; ``drafts``:
     speculative tokens verified beside them) and prefill ``chunks`` given as (new tokens, computed
-    tokens before the chunk). A draft is priced as a token and a read; its few pairs are left out."""
+    tokens before the chunk). A draft is priced as a token and a read; its few pairs are left out.
+    ``chunk_share``: the share of the layers the chunks run through (a prompt prefilled by layer
+    groups, layered_prefill.py), which prices their tokens, reads and pairs by that share."""
     new = sum(n for n, _ in chunks)
     return StepShape(
-        tokens=decodes + drafts + new,
-        kv_reads=decode_computed + decodes + drafts + sum(computed for _, computed in chunks) + new,
-        prefill_pairs=sum(chunk_pairs(n, computed) for n, computed in chunks),
+        tokens=decodes + drafts + chunk_share * new,
+        kv_reads=decode_computed + decodes + drafts + chunk_share * (sum(computed for _, computed in chunks) + new),
+        prefill_pairs=chunk_share * sum(chunk_pairs(n, computed) for n, computed in chunks),
         requests=decodes + len(chunks),
     )
 

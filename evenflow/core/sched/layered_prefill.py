@@ -1,0 +1,86 @@
+"""Prefill by layer groups: a prompt beside decoding streams climbs a few layers a step.
+
+Under ``--target-itl-ms`` a prompt that does not fit a step's prompt allowance was cut into token
+chunks, and the cut cost: every chunk step reads every weight again and multiplies fewer rows. On the
+real GGUF on a 2-core Xeon a 2048-token prompt beside 6 streams took ten ~200-token chunks whose
+prompt work came to ~1.5x its unchunked step's (docs/results/steadiness.md). Cut by layers instead,
+each step runs all the prompt's tokens through a slice of the layers: the slices add up to the
+unchunked step exactly (every layer costs the same), a slice is priced as its share of the whole
+chunk, and the streams still get a token every step.
+
+One prompt at a time is ``LayeredPrefill``: its request, its chunk (all its known tokens left, within
+the token budget) and the next layer. Its ``num_computed_tokens`` stays where it was until the step of
+its last group, which samples; its blocks are offered to prefix hits only then (until then some
+layers' K/V are unwritten). While it climbs, other prompts wait: the step's prompt room is its.
+The workers keep its residual stream between its steps (evenflow/worker/layered_prefill.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from evenflow.core.request import Request
+from evenflow.core.sched.config import SchedulerConfig
+
+
+@dataclass
+class LayeredPrefill:
+    """The prompt climbing the layers."""
+
+    request: Request
+    num_tokens: int  # its chunk: every known token it has left
+    num_computed: int  # the tokens before the chunk
+    next_layer: int = 0
+    num_groups: int = 0  # its layer groups scheduled so far
+
+    def span(self, num_layers_now: int, num_layers: int) -> tuple[int, int]:
+        """The layers of its next step, ``num_layers_now`` of them at most."""
+        return self.next_layer, min(self.next_layer + max(num_layers_now, 1), num_layers)
+
+
+def may_layer(config: SchedulerConfig, request: Request, num_new: int) -> bool:
+    """Whether ``request``'s next ``num_new`` tokens may be prefilled by layer groups: on (the config's
+    ``num_layers``), a prompt whose whole rest fits one step's token budget, and nothing that
+    reads per-token rows before its last layer or per step (prompt logprobs, a grammar, an adapter)."""
+    params = request.sampling_params
+    return (config.num_layers > 1 and 1 < num_new <= config.max_num_batched_tokens
+            and params.prompt_logprobs is None and request.grammar is None and request.lora is None)
+
+
+# A climb's first groups are priced apart from its later ones: served on the real GGUF the first two
+# groups of each 2048-token prompt took 1.3-1.45x their later groups' price a layer (the streams' worst
+# gaps), the third on the later ones' (docs/results/steadiness.md, set 29).
+PRICED_APART_GROUPS = 2
+
+
+def price_key(num_tokens: int, num_computed: int, group: int) -> tuple[int, int, int]:
+    """What a layer group's price is kept under: its chunk's tokens and context, each to a power of
+    two (a 2042- and a 2043-token chunk cost the same a token), and which of its groups it is."""
+    return num_tokens.bit_length(), num_computed.bit_length(), min(group, PRICED_APART_GROUPS)
+
+
+class LayerPrice:
+    """What one layer of a layered prompt costs beside the decodes, as measured on earlier groups.
+
+    Every layer of a chunk does the same work, so a prompt's groups are priced by measurements of the
+    same shape (``price_key``: its later groups by its own earlier ones, its first groups by the last
+    prompt's) rather than by the step-time fit, whose per-token cost is mostly learnt on steps of other
+    shapes; the aim's margin for prediction errors then shrinks to the machine's noise."""
+
+    def __init__(self) -> None:
+        self._per_token_layer_s: dict[tuple[int, int, int], float] = {}
+
+    def per_layer_s(self, key: tuple[int, int, int], num_tokens: int) -> float:
+        """Seconds a layer of ``num_tokens`` tokens in a group ``key`` costs, as measured (0.0: none)."""
+        return self._per_token_layer_s.get(key, 0.0) * num_tokens
+
+    def observe(self, key: tuple[int, int, int], prompt_s: float, layers: int, num_tokens: int) -> None:
+        """A step that ran ``layers`` layers of ``num_tokens`` tokens in a group ``key`` and took
+        ``prompt_s`` beyond its decodes."""
+        price = max(prompt_s, 0.0) / (layers * num_tokens)
+        last = self._per_token_layer_s.get(key, 0.0)
+        if last > 0:
+            price = (last + price) / 2  # the last few groups: a drifting machine is followed
+        elif len(self._per_token_layer_s) >= 64:  # shapes seen long ago: forget them
+            self._per_token_layer_s.clear()
+        self._per_token_layer_s[key] = price

@@ -1,0 +1,141 @@
+"""Prefill by layer groups in the scheduler and the controller, on a synthetic machine (no model): a
+prompt beside streams climbs the layers in consecutive spans within the target, its progress and its
+blocks' prefix-cache offer wait for its last group, other prompts wait for it, and the switches that
+turn it off do."""
+
+from __future__ import annotations
+
+import pytest
+from evenflow.core.component_configs import layered_prefill_layers
+from evenflow.core.engine_config import EngineConfig
+from evenflow.core.request import Request
+from evenflow.core.sched.config import ConfigError, SchedulerConfig
+from evenflow.core.sched.layered_prefill import LayerPrice, may_layer, price_key
+from evenflow.core.sched.scheduler import Scheduler
+from evenflow.core.sched.step_time_model import shape_of_step
+from evenflow.protocol import SamplingParams
+
+from .synthetic_timing import SyntheticMachine
+from .test_budget_controller import add, run_step
+
+LAYERS = 30
+
+
+def scheduler_with_streams(target_itl_ms: float = 30.0, num_layers: int = LAYERS) -> Scheduler:
+    scheduler = Scheduler(SchedulerConfig(num_kv_blocks=4096, max_num_batched_tokens=2048, max_model_len=4096,
+                                          max_num_seqs=64, target_itl_ms=target_itl_ms, num_layers=num_layers))
+    for i in range(8):
+        add(scheduler, f"stream-{i}", 64, max_tokens=100_000)
+    return scheduler
+
+
+def test_a_long_prompt_beside_streams_climbs_the_layers_within_the_target() -> None:
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
+    for _ in range(60):  # the fit learns the machine on the streams' steps and floor chunks
+        run_step(scheduler, machine)
+    add(scheduler, "long", 2000)
+    add(scheduler, "behind", 300)
+    spans, seconds = [], []
+    while "long" in scheduler.requests and scheduler.requests["long"].num_output_tokens == 0:
+        output, step_s = run_step(scheduler, machine)
+        if "long" in output.layer_spans:
+            spans.append(output.layer_spans["long"])
+            seconds.append(step_s)
+            last = spans[-1][1] == LAYERS
+            assert scheduler.requests["long"].num_computed_tokens == (2000 if last else 0)
+            assert scheduler.kv_cache_manager.num_cached_blocks["long"] == (2000 // 16 if last else 0)
+            assert "behind" not in output.num_scheduled_tokens  # the climbing prompt has the step's prompt room
+            assert all(n == 1 for r, n in output.num_scheduled_tokens.items() if r != "long")
+    assert spans[0][0] == 0 and spans[-1][1] == LAYERS
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert 2 <= len(spans) < LAYERS  # several layers a step once the price of one is measured
+    assert max(seconds) <= 30e-3 * 1.001  # a linear machine is predicted exactly: every step within the target
+    run_step(scheduler, machine)
+    assert scheduler.requests["behind"].num_computed_tokens > 0  # its turn came
+    counts = scheduler.get_stats().scheduler
+    assert (counts.num_layered_prefills, counts.num_layer_group_steps) == (1, len(spans))
+
+
+def test_without_streams_or_before_the_fit_prompts_go_in_token_chunks() -> None:
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
+    add(scheduler, "early", 2000)  # in the controller's warm-up: floor chunks
+    output, _ = run_step(scheduler, machine)
+    assert not output.layer_spans and output.num_scheduled_tokens["early"] > 0
+    alone = Scheduler(SchedulerConfig(num_kv_blocks=4096, max_model_len=4096, target_itl_ms=30.0, num_layers=LAYERS))
+    add(alone, "solo", 2000)
+    output, _ = run_step(alone, machine)
+    assert not output.layer_spans and output.num_scheduled_tokens == {"solo": 2000}  # no stream: the whole budget
+
+
+def test_what_reads_per_token_rows_or_adapters_is_never_layered() -> None:
+    config = SchedulerConfig(num_kv_blocks=64, target_itl_ms=50.0, num_layers=LAYERS)
+    plain = Request("a", list(range(1, 101)), SamplingParams(max_tokens=4))
+    assert may_layer(config, plain, 100)
+    assert not may_layer(config, plain, 1) and not may_layer(config, plain, 4096)
+    logprobs = Request("b", list(range(1, 101)), SamplingParams(max_tokens=4, prompt_logprobs=1))
+    assert not may_layer(config, logprobs, 100)
+    off = SchedulerConfig(num_kv_blocks=64, target_itl_ms=50.0)
+    assert not may_layer(off, plain, 100)
+
+
+def test_a_layer_group_is_priced_as_its_share_and_then_by_its_own_groups() -> None:
+    whole = shape_of_step(4, 400, [(1000, 200)])
+    third = shape_of_step(4, 400, [(1000, 200)], chunk_share=1 / 3)
+    decodes = shape_of_step(4, 400, [])
+    assert third.tokens - decodes.tokens == pytest.approx((whole.tokens - decodes.tokens) / 3)
+    assert third.prefill_pairs == pytest.approx(whole.prefill_pairs / 3)
+    assert third.requests == whole.requests
+    price = LayerPrice()
+    later = price_key(1000, 200, 5)
+    assert later == price_key(1000, 200, 2) != price_key(1000, 200, 1)  # the first groups are priced apart
+    assert later == price_key(1010, 250, 3) != price_key(1000, 0, 3)  # shapes to a power of two
+    assert price.per_layer_s(later, 1000) == 0.0
+    price.observe(later, 0.090, 3, 1000)
+    assert price.per_layer_s(later, 1000) == pytest.approx(0.030)
+    assert price.per_layer_s(later, 1010) == pytest.approx(0.0303)  # a token's share
+    assert price.per_layer_s(price_key(1000, 0, 5), 1000) == 0.0
+    price.observe(later, 0.050, 1, 1000)
+    assert price.per_layer_s(later, 1000) == pytest.approx(0.040)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(target_itl_ms=50.0, max_loras=2)])
+def test_layers_without_the_adaptive_budget_or_beside_lora_are_refused(options: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match="layer groups"):
+        SchedulerConfig(num_kv_blocks=64, num_layers=LAYERS, **options).validate()  # type: ignore[arg-type]
+
+
+def test_the_engine_turns_layers_on_only_under_the_adaptive_budget(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    model = str(tiny_llama)
+    assert layered_prefill_layers(EngineConfig(model=model, target_itl_ms=50.0)) == 2
+    assert layered_prefill_layers(EngineConfig(model=model, auto_target_itl=True)) == 2
+    assert layered_prefill_layers(EngineConfig(model=model)) == 0  # the fixed budget
+    assert layered_prefill_layers(EngineConfig(model=model, target_itl_ms=50.0, layered_prefill=False)) == 0
+    assert layered_prefill_layers(EngineConfig(model=model, target_itl_ms=50.0, tensor_parallel_size=2)) == 0
+
+
+def test_an_abort_mid_climb_frees_the_blocks_and_the_next_prompt_goes() -> None:
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
+    for _ in range(60):
+        run_step(scheduler, machine)
+    add(scheduler, "long", 2000)
+    add(scheduler, "next", 2000)
+    output, _ = run_step(scheduler, machine)
+    assert output.layer_spans["long"][1] < LAYERS
+    free = scheduler.kv_cache_manager.num_free_blocks
+    scheduler.abort_requests(["long"])
+    assert scheduler.kv_cache_manager.num_free_blocks == free + -(-2000 // 16)
+    output, _ = run_step(scheduler, machine)
+    assert "long" in output.finished_req_ids  # the workers drop its stream
+    assert output.layer_spans.get("next", (None,))[0] == 0  # the waiting prompt starts its own climb
+
+
+def test_a_prompt_whose_one_layer_overruns_the_room_goes_in_token_chunks() -> None:
+    """A model whose single layer of the prompt costs more than the aim leaves beside the decodes (the
+    small demo model's 8 layers: ~200 ms a layer against a ~130 ms room) cannot climb within the target."""
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS, per_token=0.6e-3)
+    for _ in range(60):
+        run_step(scheduler, machine)
+    add(scheduler, "long", 2000)
+    outputs = [run_step(scheduler, machine)[0] for _ in range(5)]
+    assert not any(o.layer_spans for o in outputs)
+    assert all(0 < o.num_scheduled_tokens["long"] < 2000 for o in outputs)  # chunks, within the allowance

@@ -43,7 +43,7 @@ FAULT_ENV = "EVENFLOW_TEST_FAIL_FORWARD_AFTER_STEPS"
 def engine_flags(args: argparse.Namespace) -> list[str]:
     return ["--served-model-name", "demo", "--max-model-len", "1024", "--max-num-seqs", "16",
             "--max-num-batched-tokens", "128", "--num-kv-blocks", str(args.num_kv_blocks), "--worker-threads", "1",
-            "--max-num-queued-reqs", str(args.max_num_queued_reqs), "--request-timeout", "60"]
+            "--max-num-queued-reqs", str(args.max_num_queued_reqs), "--request-timeout", "60", *args.engine_args.split()]
 
 
 class PartsRun:
@@ -240,7 +240,7 @@ def stalls_main(args: argparse.Namespace) -> int:
 
         model = str(ensure_demo_model(work / "demo-model"))
     flags = ["--served-model-name", "demo", "--max-model-len", "2048", "--max-num-seqs", "16",
-             "--max-num-batched-tokens", "128", "--num-kv-blocks", "512", "--worker-threads", "1"]
+             "--max-num-batched-tokens", "128", "--num-kv-blocks", "512", "--worker-threads", "1", *args.engine_args.split()]
     rows = stall_matrix(model, work, flags, [float(x) for x in args.stalls.split(",")])
     print(render_stalls(rows))
     return 1 if any(r.failed or r.health_non_200 for r in rows) else 0
@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-queued-reqs", type=int, default=48)
     p.add_argument("--fault-steps", type=int, default=150, help="forward_fault: steps before the forward raises")
     p.add_argument("--quick", action="store_true", help="short-run settings (the suite): faults every 3 s")
+    p.add_argument("--engine-args", default="", help="more engine-core flags, one string (e.g. '--target-itl-ms 20')")
     p.add_argument("--stalls", default=None,
                    help="comma-separated seconds: run only the stall matrix (SIGSTOP of the engine-core, a worker and "
                         "a frontend for each duration under streaming load) and print its table")

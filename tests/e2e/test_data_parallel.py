@@ -83,7 +83,9 @@ def test_two_engine_cores_behind_one_client(tiny_llama: Path, tmp_path: Path, mo
             assert tokens == reference_greedy(tiny_llama, [1, 5, 9 + i], 4)
         assert client.connected
 
-        # Restart it on the same address: it rejoins and takes requests again.
+        # Restart it on the same address: it rejoins and takes requests again (the killed one reaped first,
+        # its workers with it).
+        await asyncio.to_thread(engines[doomed].stop)
         engines[doomed] = await asyncio.to_thread(start_engine, tiny_llama, tmp_path, *FLAGS, name=f"engine{doomed}")
         deadline = time.monotonic() + 15
         while not client.clients[doomed].connected:

@@ -202,7 +202,7 @@ class Scheduler(RequestLedger):
     def _layer_instead(self, step: StepPlan, request: Request, num_computed: int, token_budget: int) -> bool:
         """Whether ``request``'s prompt goes by layer groups rather than in token chunks: the adaptive
         budget would cut it, streams are decoding beside it, no prompt chunk or other layered prefill has
-        this step's room, and the controller expects its groups to finish sooner (layered_prefill.py)."""
+        this step's room, and one of its layers fits the step (BudgetController.prefers_layers)."""
         gate = step.gate
         if (not self.config.num_layers or request.num_tokens - num_computed <= 1 or self._layered is not None
                 or gate.is_open or not gate.survey.decodes or gate.prefill_tokens):
@@ -210,8 +210,7 @@ class Scheduler(RequestLedger):
         num_new = self._layered_chunk(request, num_computed, token_budget)
         controller = self.budget_controller
         return (controller is not None and num_new > gate.allowance_left and may_layer(self.config, request, num_new)
-                and controller.prefers_layers(gate.survey, num_new, num_computed, self.config.num_layers,
-                                              gate.allowance_left))
+                and controller.prefers_layers(gate.survey, num_new, num_computed, self.config.num_layers))
 
     def _layered_chunk(self, request: Request, num_computed: int, token_budget: int) -> int:
         """The tokens a layered prefill of ``request`` takes: all it has left, as far as the step holds."""

@@ -207,8 +207,9 @@ class BudgetController:
         goes by layer groups instead (layered_prefill.py): past the fit's warm-up, beside decodes, where
         one of its layers fits the aim's room beside them. (On the small demo model, 8 layers, one layer
         of a 2032-token prompt costs ~200 ms against a ~130 ms room: every one-layer group overran the
-        target, docs/results/steadiness.md; it goes in chunks. Counting the chunks' steps against the
-        groups' kept the real model's prompts in chunks too: the count is the weak part, not the rule.)"""
+        target, docs/results/steadiness.md; it goes in chunks. A count of the steps its chunks would take
+        against its groups' also kept the real model's prompts in chunks, where groups start them sooner:
+        the chunks shrink as the context grows, which the count did not see.)"""
         if not survey.decodes or self.model.num_observations < MIN_OBSERVATIONS:
             return False
         cost = self.model.fitted_costs()

@@ -5,8 +5,8 @@ chunks, and the cut cost: every chunk step reads every weight again and multipli
 real GGUF on a 2-core Xeon a 2048-token prompt beside 6 streams took ten ~200-token chunks whose
 prompt work came to ~1.5x its unchunked step's (docs/results/steadiness.md). Cut by layers instead,
 each step runs all the prompt's tokens through a slice of the layers: the slices add up to the
-unchunked step exactly (every layer costs the same), a slice is priced as its share of the whole
-chunk, and the streams still get a token every step.
+unchunked step exactly (every layer costs the same), a slice is priced by what slices of the same
+shape measured (``LayerPrice``), and the streams still get a token every step.
 
 One prompt at a time is ``LayeredPrefill``: its request, its chunk (all its known tokens left, within
 the token budget) and the next layer. Its ``num_computed_tokens`` stays where it was until the step of
@@ -28,7 +28,7 @@ class LayeredPrefill:
     """The prompt climbing the layers."""
 
     request: Request
-    num_tokens: int  # its chunk: every known token it has left
+    num_tokens: int  # its chunk: every known token it has left, as far as a step holds them
     num_computed: int  # the tokens before the chunk
     next_layer: int = 0
     num_groups: int = 0  # its layer groups scheduled so far

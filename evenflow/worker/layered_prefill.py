@@ -32,12 +32,22 @@ class LayeredRows:
 class LayeredForward:
     """What the model's forward needs for a step with layered rows, and what it hands back."""
 
-    start: int
-    end: int
-    num_rows: int
+    rows: LayeredRows
     rest_plan: object  # the attention plan of the step's other requests, for the layers outside the span
     hidden_in: torch.Tensor | None  # the rows' residual stream before ``start`` (None when start == 0)
     hidden_out: torch.Tensor | None = field(default=None)  # after ``end``, when it is not the last layer
+
+    @property
+    def start(self) -> int:
+        return self.rows.start
+
+    @property
+    def end(self) -> int:
+        return self.rows.end
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.num_rows
 
 
 def layered_boundary(i: int, x: torch.Tensor, delta: torch.Tensor | None, layered: LayeredForward,

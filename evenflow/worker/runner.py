@@ -231,8 +231,7 @@ class ModelRunner:
                                 layered)
         self.forward_timer.stop()
         if layered is not None and layered.hidden_out is not None:
-            assert inputs.layered is not None
-            self.layered_hidden.keep(inputs.layered.req_id, layered.hidden_out)
+            self.layered_hidden.keep(layered.rows.req_id, layered.hidden_out)
         logits, prompt_logprobs = split_prompt_logits(logits, inputs, prompt_plan, self.tp.rank == 0)
         sample_mask = inputs.sample_mask
         sampled_reqs = [s for s, m in zip(inputs.requests, sample_mask.tolist()) if m]
@@ -273,7 +272,7 @@ class ModelRunner:
             raise ValueError(f"step {so.step_id}: a layered prefill of {rows.req_id!r} beside LoRA, tensor "
                              f"parallelism or prompt logprobs, which this worker does not split by layer")
         rest = self.attn.plan(without_last_request(inputs.attn, rows.num_rows))
-        return LayeredForward(rows.start, rows.end, rows.num_rows, rest, self.layered_hidden.take(rows, so.step_id))
+        return LayeredForward(rows, rest, self.layered_hidden.take(rows, so.step_id))
 
     def _lora_report(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
         """Fill the adapter loads, failures and evictions since the previous output."""

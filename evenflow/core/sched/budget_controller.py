@@ -214,15 +214,13 @@ class BudgetController:
             return False
         cost = self.model.fitted_costs()
         room_s = min(self.aim_s, STALL_BOUND * self.target_s) - self._base_seconds(cost, survey)
-        per_layer_s = self._layer_price_s(cost, num_tokens, num_computed, 0, num_layers)
+        measured = self.layer_price.per_layer_s(price_key(num_tokens, num_computed, 0), num_tokens)
+        per_layer_s = measured if measured > 0 else self._fit_layer_price_s(cost, num_tokens, num_computed, num_layers)
         return 0 < per_layer_s <= room_s
 
-    def _layer_price_s(self, cost: StepCosts, num_tokens: int, num_computed: int, group: int, num_layers: int) -> float:
-        """One layer of the chunk beside the decodes: what the same shape's groups measured
-        (``LayerPrice``), else the fit's share of the whole chunk."""
-        measured = self.layer_price.per_layer_s(price_key(num_tokens, num_computed, group), num_tokens)
-        if measured > 0:
-            return measured
+    def _fit_layer_price_s(self, cost: StepCosts, num_tokens: int, num_computed: int, num_layers: int) -> float:
+        """One layer of the chunk beside the decodes by the fit: its share of the whole chunk (where no
+        group of the same shape was measured, ``LayerPrice``)."""
         whole_s = (cost.per_token * num_tokens + cost.per_read * (num_computed + num_tokens)
                    + cost.per_pair * chunk_pairs(num_tokens, num_computed))
         return max(whole_s, self._prompt_token_floor_s(num_computed) * num_tokens) / num_layers
@@ -245,7 +243,8 @@ class BudgetController:
         if room_s <= 0:  # the decodes alone take the aim: the prompt's share, as for a chunk
             room_s, self._bound_by = base_s * PREFILL_MIN_SHARE / (1 - PREFILL_MIN_SHARE), "share"
         key = price_key(num_tokens, num_computed, group)
-        per_layer_s = self._layer_price_s(cost, num_tokens, num_computed, group, num_layers)
+        measured = self.layer_price.per_layer_s(key, num_tokens)
+        per_layer_s = measured if measured > 0 else self._fit_layer_price_s(cost, num_tokens, num_computed, num_layers)
         layers = int(room_s / per_layer_s) if per_layer_s > 0 else num_layers
         trusted = int(num_layers * TRUST_GROWTH * self.largest_prefill_seen / num_tokens)
         if trusted < layers:
@@ -254,7 +253,6 @@ class BudgetController:
             layers, self._bound_by = 1, "floor"
         layers = min(layers, num_layers)
         self.stats.layer_group_steps += 1
-        measured = self.layer_price.per_layer_s(key, num_tokens)
         self._pending_layers = (key, layers, layers * measured if measured > 0 else 0.0)
         if self._trace is not None:
             self._pending_trace = PlannedStep(-1, self.target_s * 1e3, self.aim_s * 1e3, survey.decodes,
@@ -416,4 +414,5 @@ class BudgetController:
         b.token_budget_log2_counts, b.token_budget_sum = list(s.budget_log2_counts), s.budget_sum
         b.step_predicted_s, b.step_measured_s = s.predicted_s, s.measured_s
         b.num_controlled_steps, b.num_steps_within_target = s.num_steps, s.num_within_target
+        stats.scheduler.num_layer_group_steps = s.layer_group_steps  # layer groups are the controller's
         return stats

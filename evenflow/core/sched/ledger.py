@@ -48,7 +48,7 @@ class RequestLedger:
         self._next_step_id = 0
         self._num_steps = 0
         self._num_preemptions = 0
-        self._num_layered_prefills = self._num_layer_group_steps = 0  # core/sched/layered_prefill.py
+        self._num_layered_prefills = 0  # prompt chunks prefilled by layer groups (core/sched/layered_prefill.py)
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_scheduled_tokens = 0  # every step's scheduled tokens, recomputation included
@@ -230,7 +230,6 @@ class RequestLedger:
                 schedule_s=self._schedule_s,
                 update_s=self._update_s,
                 num_layered_prefills=self._num_layered_prefills,
-                num_layer_group_steps=self._num_layer_group_steps,
             ),
             kv_cache=self.kv_cache_manager.stats(),
             spec_decode=self._spec_counters.stats(),

@@ -251,7 +251,6 @@ class Scheduler(RequestLedger):
         step.num_scheduled_tokens[req_id] = layered.num_tokens
         step.token_budget -= layered.num_tokens
         step.gate.commit_layer_group(layered.num_tokens, layered.num_computed, (end - start) / num_layers)
-        self._num_layer_group_steps += 1
         if end < num_layers:
             layered.next_layer = end
             return

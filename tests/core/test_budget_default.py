@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from evenflow.core.sched.auto_target import AUTO_TARGET_DECODE_MULTIPLE, AUTO_TARGET_FLOOR_S, AutoTarget
-from evenflow.core.sched.budget_controller import AIM_WINDOW, GAPS_OVER_TARGET, PREFILL_MIN_SHARE
+from evenflow.core.sched.aim import AIM_WINDOW, GAPS_OVER_TARGET
+from evenflow.core.sched.budget_controller import PREFILL_MIN_SHARE
 from evenflow.core.sched.budget_trace import TRACE_ENV
 from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.sched.scheduler import Scheduler
@@ -225,9 +226,8 @@ def test_a_chunk_is_never_priced_below_what_prompt_tokens_measured() -> None:
     """A fit that prices prompt tokens at nothing (served, tiny model: 12-14% of the prefill steps were
     predicted at or under their decodes alone, and 1,000-1,500-token chunks so sized took 114-184 ms
     against a 50 ms target) sizes the chunk by what the last prefill steps measured instead."""
-    from evenflow.core.sched.budget_controller import (
-        AIM_MIN_SAMPLES, MEASURED_COST_SHARE, MIN_OBSERVATIONS, BudgetController,
-    )
+    from evenflow.core.sched.aim import AIM_MIN_SAMPLES
+    from evenflow.core.sched.budget_controller import MEASURED_COST_SHARE, MIN_OBSERVATIONS, BudgetController
     from evenflow.core.sched.prefill_gate import RunningSurvey
 
     controller = BudgetController(target_s=0.050, max_tokens=2048, max_model_len=4096, max_requests=64)
@@ -263,9 +263,9 @@ def test_the_target_and_budget_are_logged_every_interval(monkeypatch: pytest.Mon
                                                           caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    import evenflow.core.sched.budget_controller as budget_controller
+    import evenflow.core.sched.budget_stats as budget_stats
 
-    monkeypatch.setattr(budget_controller, "LOG_INTERVAL_S", 0.0)
+    monkeypatch.setattr(budget_stats, "LOG_INTERVAL_S", 0.0)
     machine = SyntheticMachine(fixed=30e-3)
     scheduler = scheduler_with_streams(auto_target_itl=True)
     with caplog.at_level(logging.INFO, logger="evenflow.core.sched.budget_controller"):

@@ -8,16 +8,8 @@ root, not a search.
 
 * Decodes are never limited; only the prefill riding along is.
 * The aim is the promised percentile, not every step: the target is a p99 of the streams' gaps,
-  so about 1% of the gaps may run over it. The aim (the predicted step the allowance is sized to)
-  is the target divided by a high quantile of the model's error (measured / predicted) over the
-  last ``AIM_WINDOW`` steps that carried prefill beside decodes: the (1 - q) quantile, q being
-  three quarters of 1% of all the streams' gaps (``AIM_SHARE_MARGIN``) divided by the share of the
-  gaps that carry prefill (decode-only steps are on time and take the rest of the 1%). So about q
-  of those steps run over the target, and the aim follows a noisier or quieter machine within a
-  window. (A tracker that stepped the aim down
-  5% of the target per step over it and up 100x less per step under sat at its 0.5x floor in a
-  served run: a few slow steps took ~1000 steps to undo, and the streams ran at half the target.)
-  No step is planned over ``STALL_BOUND`` x the target.
+  so about 1% of the gaps may run over it (``Aim``, evenflow/core/sched/aim.py). No step is planned
+  over ``STALL_BOUND`` x the target.
 * A prompt's share: when the decodes alone are predicted to take the whole aim, a step with a prompt
   to prefill gives it ``PREFILL_MIN_SHARE`` (a fifth) of its predicted time, so a long prompt beside
   streams that already miss the target still prefills at about a fifth of its unchunked rate, not
@@ -45,16 +37,14 @@ root, not a search.
 
 from __future__ import annotations
 
-import logging
 import math
-import time
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
 
 from evenflow.protocol import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 
+from evenflow.core.sched.aim import AIM_MIN_SAMPLES, Aim
 from evenflow.core.sched.auto_target import AutoTarget
+from evenflow.core.sched.budget_stats import BudgetLog, BudgetStats
 from evenflow.core.sched.budget_trace import BudgetTrace, PlannedStep
 from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.sched.layered_prefill import LayerPrice, price_key
@@ -63,50 +53,18 @@ from evenflow.core.sched.step_time_model import (
     MeasuredPromptCost, StepCosts, StepShape, StepTimeModel, chunk_pairs, shape_of_step,
 )
 
-log = logging.getLogger("evenflow.core.sched.budget_controller")
-
 PREFILL_FLOOR_TOKENS = 16
 MIN_OBSERVATIONS = 8  # steps observed before the model's prediction is trusted over the floor
 TRUST_GROWTH = 2.0
 TRUSTED_ERROR = 1.25  # measured / predicted of a step whose chunk the model is trusted with
-GAPS_OVER_TARGET = 0.01  # the target is a p99: the share of the streams' gaps that may run over it
-# The aim plans for three quarters of that share: the window's quantile is an estimate and the
-# machine's noise drifts. At the full share served p99s ran up to 1.12-1.23x the target; at half the
-# aim sat at 0.55-0.65 of it and long prompts paid for the margin (docs/results/steadiness.md).
-AIM_SHARE_MARGIN = 0.75
-MAX_OVER_SHARE = 0.25  # of the prefill-carrying steps, however few of the gaps they are
-AIM_WINDOW = 256  # prefill-carrying steps whose prediction errors set the aim
-AIM_MIN_SAMPLES = 16  # errors seen before the aim moves off the target
 AIM_WARM_UP = 4 * MIN_OBSERVATIONS  # steps fitted before errors count: a young fit's errors are not the machine's
 DECODE_ONLY_STALE = 64  # decode-carrying steps with no decode-only one before prefill steps tell the decode step
-AIM_MIN = 0.5  # of the target
-STALL_BOUND = 2.0  # of the target: the longest step planned
 PREFILL_MIN_SHARE = 0.2  # of a step's predicted time, for a prompt to prefill beside decodes
-# The share of decode-carrying steps that carry prefill, averaged over the last ~1,000 of them (all of
-# them, until there are that many): the p99 is of all the gaps, so the share is the long run's. (Over
-# ~50 it rose to ~1 within each long prompt and the aim took the 99th percentile of the errors there.)
-PREFILL_SHARE_WINDOW = 1024
 # The fit may price a prompt token down to this share of what the last prefill steps measured
 # (MeasuredPromptCost); below it the measured cost sizes the chunk and predicts its step.
 MEASURED_COST_SHARE = 0.8
 MEASURED_WINDOW = 64  # prefill steps a context bucket remembers
 UNAIMED = ("share", "floor", "warm-up")  # allowances the aim did not size: their steps do not move it
-LOG_INTERVAL_S = 30.0
-BUDGET_LOG2_BUCKETS = 17  # budgets up to 2**16 tokens; bucket i counts budgets in (2**(i-1), 2**i]
-
-
-@dataclass
-class BudgetStats:
-    """Cumulative, for the metrics."""
-
-    last_budget: int = 0
-    budget_log2_counts: list[int] = field(default_factory=lambda: [0] * BUDGET_LOG2_BUCKETS)
-    budget_sum: int = 0
-    predicted_s: float = 0.0  # summed over observed steps that carried decodes
-    measured_s: float = 0.0
-    num_steps: int = 0
-    num_within_target: int = 0
-    layer_group_steps: int = 0  # steps planned for a prompt's layer group (layered_prefill.py)
 
 
 @dataclass
@@ -135,15 +93,11 @@ class BudgetController:
         """``target_s`` None: the target is derived from the measured decode step (``AutoTarget``)."""
         self.auto = AutoTarget() if target_s is None else None
         self.target_s = self.auto.target_s if self.auto is not None else target_s
-        self.aim_s = self.target_s
+        self.aim = Aim()
         self.max_tokens = max_tokens
         self.model = StepTimeModel(max_tokens, max_model_len, max_requests)
         self.prompt_cost = MeasuredPromptCost(MEASURED_WINDOW, max_model_len)
         self.largest_prefill_seen = 0  # the largest chunk beside decodes that kept the target
-        self.prefill_step_share = 1.0  # of the decode-carrying steps, those that carried prefill
-        self._num_followed = 0  # decode-carrying steps fed back
-        self._errors = np.ones(AIM_WINDOW)  # measured / predicted, of the last aimed prefill steps (a ring)
-        self._num_errors = 0
         self._since_decode_only = DECODE_ONLY_STALE  # decode-carrying steps since the last decode-only one
         self.stats = BudgetStats()
         self._planned: dict[int, _Planned] = {}  # step_id -> what was predicted for it
@@ -152,8 +106,7 @@ class BudgetController:
         self.layer_price = LayerPrice()
         self._pending_layers: tuple[tuple[int, int, int], int, float] | None = None  # layer_group's, until record()
         self._bound_by = ""  # which rule set the last allowance
-        self._next_log = time.monotonic() + LOG_INTERVAL_S
-        self._logged = BudgetStats()
+        self._log = BudgetLog()
 
     @classmethod
     def for_config(cls, config: SchedulerConfig) -> BudgetController | None:
@@ -174,15 +127,10 @@ class BudgetController:
             allowance, bound_by = PREFILL_FLOOR_TOKENS, "warm-up"
         else:
             cost = self.model.fitted_costs()
-            base_s = self._base_seconds(cost, survey)
-            aim_s = min(self.aim_s, STALL_BOUND * self.target_s)
-            if base_s < aim_s:
-                limit_s, bound_by = aim_s, "aim"
-            else:  # the decodes alone take the aim: the prompt's share instead of a crawl at the floor
-                limit_s, bound_by = base_s / (1 - PREFILL_MIN_SHARE), "share"  # over the stall bound: past already
-            allowance = self._largest_within(cost, survey, base_s, limit_s)
+            base_s, room_s, bound_by = self._prompt_room(cost, survey)
+            allowance = self._largest_within(cost, survey, base_s, base_s + room_s)
             floor_s = self._prompt_token_floor_s(survey.first_prefill_context)
-            measured = int((limit_s - max(base_s, 0.0)) / floor_s) if floor_s > 0 else allowance
+            measured = int((room_s + min(base_s, 0.0)) / floor_s) if floor_s > 0 else allowance
             if measured < allowance:
                 allowance, bound_by = measured, "measured"
             trust = int(TRUST_GROWTH * self.largest_prefill_seen)
@@ -192,10 +140,7 @@ class BudgetController:
                 allowance, bound_by = PREFILL_FLOOR_TOKENS, "floor"
         if allowance > room:
             allowance, bound_by = room, "room"
-        budget = survey.decodes + allowance
-        self.stats.last_budget = budget
-        self.stats.budget_sum += budget
-        self.stats.budget_log2_counts[min((budget - 1).bit_length(), BUDGET_LOG2_BUCKETS - 1)] += 1
+        self.stats.count_budget(survey.decodes + allowance)
         self._bound_by = bound_by
         if self._trace is not None and survey.decodes:
             self._pending_trace = PlannedStep(-1, self.target_s * 1e3, self.aim_s * 1e3, survey.decodes,
@@ -213,17 +158,23 @@ class BudgetController:
         if not survey.decodes or self.model.num_observations < MIN_OBSERVATIONS:
             return False
         cost = self.model.fitted_costs()
-        room_s = min(self.aim_s, STALL_BOUND * self.target_s) - self._base_seconds(cost, survey)
-        measured = self.layer_price.per_layer_s(price_key(num_tokens, num_computed, 0), num_tokens)
-        per_layer_s = measured if measured > 0 else self._fit_layer_price_s(cost, num_tokens, num_computed, num_layers)
+        _, room_s, bound_by = self._prompt_room(cost, survey)
+        if bound_by != "aim":  # the decodes alone take the aim: the prompt goes in chunks of its share
+            return False
+        per_layer_s, _ = self._layer_price_s(cost, price_key(num_tokens, num_computed, 0), num_tokens, num_computed,
+                                             num_layers)
         return 0 < per_layer_s <= room_s
 
-    def _fit_layer_price_s(self, cost: StepCosts, num_tokens: int, num_computed: int, num_layers: int) -> float:
-        """One layer of the chunk beside the decodes by the fit: its share of the whole chunk (where no
-        group of the same shape was measured, ``LayerPrice``)."""
+    def _layer_price_s(self, cost: StepCosts, key: tuple[int, int, int], num_tokens: int, num_computed: int,
+                       num_layers: int) -> tuple[float, bool]:
+        """One layer of the chunk beside the decodes, and whether groups of its shape measured it
+        (``LayerPrice``); else the fit's share of the whole chunk."""
+        measured_s = self.layer_price.per_layer_s(key, num_tokens)
+        if measured_s > 0:
+            return measured_s, True
         whole_s = (cost.per_token * num_tokens + cost.per_read * (num_computed + num_tokens)
                    + cost.per_pair * chunk_pairs(num_tokens, num_computed))
-        return max(whole_s, self._prompt_token_floor_s(num_computed) * num_tokens) / num_layers
+        return max(whole_s, self._prompt_token_floor_s(num_computed) * num_tokens) / num_layers, False
 
     def layer_group(self, survey: RunningSurvey, num_tokens: int, num_computed: int, num_layers: int,
                     group: int = 0) -> int:
@@ -237,14 +188,9 @@ class BudgetController:
             self._bound_by = "warm-up"
             return 1
         cost = self.model.fitted_costs()
-        base_s = self._base_seconds(cost, survey)
-        aim_s = min(self.aim_s, STALL_BOUND * self.target_s)
-        room_s, self._bound_by = aim_s - base_s, "aim"
-        if room_s <= 0:  # the decodes alone take the aim: the prompt's share, as for a chunk
-            room_s, self._bound_by = base_s * PREFILL_MIN_SHARE / (1 - PREFILL_MIN_SHARE), "share"
+        base_s, room_s, self._bound_by = self._prompt_room(cost, survey)
         key = price_key(num_tokens, num_computed, group)
-        measured = self.layer_price.per_layer_s(key, num_tokens)
-        per_layer_s = measured if measured > 0 else self._fit_layer_price_s(cost, num_tokens, num_computed, num_layers)
+        per_layer_s, measured = self._layer_price_s(cost, key, num_tokens, num_computed, num_layers)
         layers = int(room_s / per_layer_s) if per_layer_s > 0 else num_layers
         trusted = int(num_layers * TRUST_GROWTH * self.largest_prefill_seen / num_tokens)
         if trusted < layers:
@@ -253,11 +199,20 @@ class BudgetController:
             layers, self._bound_by = 1, "floor"
         layers = min(layers, num_layers)
         self.stats.layer_group_steps += 1
-        self._pending_layers = (key, layers, layers * measured if measured > 0 else 0.0)
+        self._pending_layers = (key, layers, layers * per_layer_s if measured else 0.0)
         if self._trace is not None:
             self._pending_trace = PlannedStep(-1, self.target_s * 1e3, self.aim_s * 1e3, survey.decodes,
                                               base_s * 1e3, layers, f"layers:{self._bound_by}")
         return layers
+
+    def _prompt_room(self, cost: StepCosts, survey: RunningSurvey) -> tuple[float, float, str]:
+        """The step's decodes alone (predicted), the seconds a prompt may add beside them, and the rule
+        that set those: the aim's room, or, where the decodes alone take the aim, the prompt's share of
+        the step (rather than a crawl at the floor; over ``STALL_BOUND`` then: past it already)."""
+        base_s = self._base_seconds(cost, survey)
+        if base_s < self.aim_s:
+            return base_s, self.aim_s - base_s, "aim"
+        return base_s, base_s * PREFILL_MIN_SHARE / (1 - PREFILL_MIN_SHARE), "share"
 
     @staticmethod
     def _base_seconds(cost: StepCosts, survey: RunningSurvey) -> float:
@@ -348,34 +303,30 @@ class BudgetController:
             self.layer_price.observe(planned.layer_key, seconds - max(planned.decodes_alone_s, 0.0), planned.layers,
                                      planned.layer_tokens)
         if planned.has_decodes and planned.predicted_s > 0 and self.model.num_observations >= MIN_OBSERVATIONS:
-            s = self.stats
-            s.predicted_s += planned.predicted_s
-            s.measured_s += seconds
-            s.num_steps += 1
-            s.num_within_target += seconds <= self.target_s
+            self.stats.count_step(planned.predicted_s, seconds, self.target_s)
             self._follow(planned, seconds)
         if planned.trace is not None and self._trace is not None:
             planned.trace.measured_ms = seconds * 1e3
             self._trace.write(planned.trace)
         self.model.observe(planned.shape, seconds)
-        if time.monotonic() >= self._next_log:
-            self._log_interval()
+        if self._log.due():
+            source = (f"auto: {self.auto.decode_step_s * 1e3:.1f} ms decode step" if self.auto is not None
+                      else "--target-itl-ms")
+            self._log.write(self.stats, self.target_s, self.aim_s, source, self.max_tokens)
+
+    @property
+    def aim_s(self) -> float:
+        """The predicted step time a prompt's allowance is sized to."""
+        return self.aim.share * self.target_s
 
     def _follow(self, planned: _Planned, seconds: float) -> None:
         """Feed one decode-carrying step back: the aim (a prefill step), and the derived target."""
-        self._num_followed += 1
-        smoothing = 1 / min(self._num_followed, PREFILL_SHARE_WINDOW)
-        self.prefill_step_share += smoothing * (planned.has_prefill - self.prefill_step_share)
+        self.aim.follow_step(planned.has_prefill)
         if planned.has_prefill:
             self.prompt_cost.observe(seconds, planned.decodes_alone_s, planned.prefill_tokens,
                                      planned.prefill_context)
         if planned.has_prefill and planned.aimed and self.model.num_observations >= AIM_WARM_UP:
-            self._errors[self._num_errors % AIM_WINDOW] = seconds / planned.predicted_s
-            self._num_errors += 1
-            if self._num_errors >= AIM_MIN_SAMPLES:
-                share_over = min(MAX_OVER_SHARE, AIM_SHARE_MARGIN * GAPS_OVER_TARGET / max(self.prefill_step_share, 1e-3))
-                error = float(np.quantile(self._errors[:min(self._num_errors, AIM_WINDOW)], 1 - share_over))
-                self.aim_s = self.target_s / error
+            self.aim.follow_error(seconds / planned.predicted_s)
         if self.auto is not None:
             decode_s = seconds
             self._since_decode_only = self._since_decode_only + 1 if planned.has_prefill else 0
@@ -384,35 +335,8 @@ class BudgetController:
                 decode_s *= min(max(planned.decodes_alone_s / planned.predicted_s, 0.0), 1.0) if stale else 0.0
             if decode_s > 0:
                 self.auto.observe_decode_step(decode_s)
-                target_s = self.auto.target_s
-                self.aim_s *= target_s / self.target_s  # the same share of a moved target
-                self.target_s = target_s
-        self.aim_s = min(max(self.aim_s, AIM_MIN * self.target_s), STALL_BOUND * self.target_s)
-
-    def _log_interval(self) -> None:
-        """Every LOG_INTERVAL_S: the target and the budgets since the last line."""
-        s, last = self.stats, self._logged
-        steps = sum(s.budget_log2_counts) - sum(last.budget_log2_counts)
-        controlled = s.num_steps - last.num_steps
-        mean_budget = (s.budget_sum - last.budget_sum) / steps if steps else 0.0
-        within = (s.num_within_target - last.num_within_target) / controlled if controlled else 1.0
-        source = (f"auto: {self.auto.decode_step_s * 1e3:.1f} ms decode step" if self.auto is not None
-                  else "--target-itl-ms")
-        log.info("token budget: target %.1f ms (%s), aim %.1f ms, mean budget %.1f tokens over %d steps "
-                 "(ceiling %d), %d of them a prompt's layer group, %.1f%% of %d steps with decodes within the target",
-                 self.target_s * 1e3, source, self.aim_s * 1e3, mean_budget, steps, self.max_tokens,
-                 s.layer_group_steps - last.layer_group_steps, 100 * within, controlled)
-        self._logged = BudgetStats(budget_log2_counts=list(s.budget_log2_counts), budget_sum=s.budget_sum,
-                                   num_steps=s.num_steps, num_within_target=s.num_within_target,
-                                   layer_group_steps=s.layer_group_steps)
-        self._next_log = time.monotonic() + LOG_INTERVAL_S
+                self.target_s = self.auto.target_s  # the aim keeps its share of a moved target
 
     def fill_stats(self, stats: SchedulerStats) -> SchedulerStats:
         """Write the adaptive budget's part of the scheduler's stats."""
-        s, b = self.stats, stats.budget
-        b.target_itl_s, b.token_budget = self.target_s, s.last_budget
-        b.token_budget_log2_counts, b.token_budget_sum = list(s.budget_log2_counts), s.budget_sum
-        b.step_predicted_s, b.step_measured_s = s.predicted_s, s.measured_s
-        b.num_controlled_steps, b.num_steps_within_target = s.num_steps, s.num_within_target
-        stats.scheduler.num_layer_group_steps = s.layer_group_steps  # layer groups are the controller's
-        return stats
+        return self.stats.fill(stats, self.target_s)

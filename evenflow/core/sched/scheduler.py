@@ -25,15 +25,8 @@ along with the decodes (a prompt it would cut goes by layer groups instead: laye
 from __future__ import annotations
 
 import time
-from bisect import insort
 
-from evenflow.protocol import (
-    ERR_INVALID_REQUEST,
-    CachedRequestData,
-    Error,
-    NewRequestData,
-    SchedulerOutput,
-)
+from evenflow.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 
 from evenflow.core.kv.block_pool import KVBlock
 from evenflow.core.kv.manager import ComputedBlocks
@@ -341,61 +334,6 @@ class Scheduler(RequestLedger):
             output.structured_output_req_ids = [request.request_id for request in step.structured]
             output.grammar_bitmask = grammars.fill_bitmask(step.structured)
         return output
-
-    def _num_new_tokens_running(self, request: Request, token_budget: int) -> int:
-        """Tokens a RUNNING request has left: known + drafts + in-flight samples - computed."""
-        config = self.config
-        num_computed = request.num_computed_tokens
-        placeholders = request.num_output_placeholders
-        if placeholders and request.grammar is not None:
-            return 0  # its next mask depends on the token still in flight: wait for it
-        if placeholders and (
-            # Tokens still in flight will finish it anyway: any more work would be thrown away.
-            request.num_output_tokens + placeholders >= request.sampling_params.max_tokens
-            or request.num_tokens + placeholders >= config.max_model_len
-        ):
-            return 0
-        remaining = request.num_tokens + placeholders - num_computed
-        return self._clamp(remaining, num_computed, token_budget)
-
-    def _clamp(self, num_new: int, num_computed: int, token_budget: int) -> int:
-        """min(remaining, long-prefill threshold when on, budget, room left in max_model_len)."""
-        threshold = self._long_threshold
-        if 0 < threshold < num_new:
-            num_new = threshold
-        if num_new > token_budget:
-            num_new = token_budget
-        max_by_len = self.config.max_model_len - num_computed
-        return num_new if num_new < max_by_len else max_by_len
-
-    def _grammar_ready(self, request: Request) -> bool:
-        """Whether a WAITING_FOR_FSM request's grammar compiled (it becomes WAITING); a failed
-        compile finishes it (its client hears why: ``take_grammar_failures``)."""
-        grammars = self.structured_output
-        assert grammars is not None  # add_request admits grammars only with a manager
-        problem = grammars.resolve(request)
-        if problem:
-            self._finish(request, RequestStatus.FINISHED_ERROR)
-            self._grammar_failures.append(Error(ERR_INVALID_REQUEST, problem, request.request_id))
-        elif problem == "":
-            request.status = RequestStatus.WAITING
-        return problem == ""
-
-    def _advance(self, request: Request, num_new: int, num_slots: int = 0) -> None:
-        """Count a scheduled chunk as computed; a chunk reaching the end will sample tokens:
-        up to ``1 + num_slots`` of them, all counted in flight until the step's results arrive."""
-        num_computed = request.num_computed_tokens
-        if num_computed < request.num_prompt_tokens:
-            self._num_prompt_tokens += min(num_computed + num_new, request.num_prompt_tokens) - num_computed
-        request.num_computed_tokens = num_computed + num_new
-        if num_computed + num_new - num_slots >= request.num_tokens + request.num_output_placeholders:
-            request.num_output_placeholders += 1 + num_slots
-
-    def _add_running(self, request: Request) -> None:
-        if self.config.policy == "priority":
-            insort(self.running, request, key=Request.sort_key)
-        else:
-            self.running.append(request)
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: free the blocks, forget progress, wait at the front of the queue."""

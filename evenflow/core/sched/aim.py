@@ -1,0 +1,56 @@
+"""The aim: the predicted step time the adaptive budget sizes prefill to, as a share of the target.
+
+The target is a p99 of the streams' gaps, so about 1% of the gaps may run over it. The aim is the
+target divided by a high quantile of the step-time model's error (measured / predicted) over the last
+``AIM_WINDOW`` steps that carried prefill beside decodes: the (1 - q) quantile, q being three quarters
+of 1% of all the streams' gaps (``AIM_SHARE_MARGIN``) divided by the share of the gaps that carry
+prefill (decode-only steps are on time and take the rest of the 1%). So about q of those steps run over
+the target, and the aim follows a noisier or quieter machine within a window. (A tracker that stepped
+the aim down 5% of the target per step over it and up 100x less per step under sat at its 0.5x floor in
+a served run: a few slow steps took ~1000 steps to undo, and the streams ran at half the target.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+GAPS_OVER_TARGET = 0.01  # the target is a p99: the share of the streams' gaps that may run over it
+# The aim plans for three quarters of that share: the window's quantile is an estimate and the
+# machine's noise drifts. At the full share served p99s ran up to 1.12-1.23x the target; at half the
+# aim sat at 0.55-0.65 of it and long prompts paid for the margin (docs/results/steadiness.md).
+AIM_SHARE_MARGIN = 0.75
+MAX_OVER_SHARE = 0.25  # of the prefill-carrying steps, however few of the gaps they are
+AIM_WINDOW = 256  # prefill-carrying steps whose prediction errors set the aim
+AIM_MIN_SAMPLES = 16  # errors seen before the aim moves off the target
+AIM_MIN = 0.5  # of the target
+STALL_BOUND = 2.0  # of the target: the longest step planned
+# The share of decode-carrying steps that carry prefill, averaged over the last ~1,000 of them (all of
+# them, until there are that many): the p99 is of all the gaps, so the share is the long run's. (Over
+# ~50 it rose to ~1 within each long prompt and the aim took the 99th percentile of the errors there.)
+PREFILL_SHARE_WINDOW = 1024
+
+
+class Aim:
+    """The aim as a share of the target (which may move: ``AutoTarget``), learnt from the steps that ran."""
+
+    def __init__(self) -> None:
+        self.share = 1.0  # of the target, within [AIM_MIN, STALL_BOUND]
+        self.prefill_step_share = 1.0  # of the decode-carrying steps, those that carried prefill
+        self._num_steps = 0  # decode-carrying steps followed
+        self._errors = np.ones(AIM_WINDOW)  # measured / predicted, of the last aimed prefill steps (a ring)
+        self._num_errors = 0
+
+    def follow_step(self, has_prefill: bool) -> None:
+        """One decode-carrying step ran: the long run's share of them that carry prefill."""
+        self._num_steps += 1
+        smoothing = 1 / min(self._num_steps, PREFILL_SHARE_WINDOW)
+        self.prefill_step_share += smoothing * (has_prefill - self.prefill_step_share)
+
+    def follow_error(self, error: float) -> None:
+        """A prefill step whose allowance the aim sized took ``error`` x its prediction."""
+        self._errors[self._num_errors % AIM_WINDOW] = error
+        self._num_errors += 1
+        if self._num_errors >= AIM_MIN_SAMPLES:
+            share_over = min(MAX_OVER_SHARE, AIM_SHARE_MARGIN * GAPS_OVER_TARGET / max(self.prefill_step_share, 1e-3))
+            quantile = float(np.quantile(self._errors[:min(self._num_errors, AIM_WINDOW)], 1 - share_over))
+            self.share = min(max(1 / quantile, AIM_MIN), STALL_BOUND)

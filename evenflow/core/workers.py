@@ -32,7 +32,7 @@ from evenflow.protocol import (
     EngineToWorker, InitKVCache, KVCacheReady, ModelRunnerOutput, SchedulerOutput, WorkerConfig, WorkerError,
     WorkerReady, WorkerShutdown, WorkerToEngine,
 )
-from evenflow.protocol.lifeline import child_env
+from evenflow.protocol.lifeline import child_env, runtime_dir
 
 from evenflow.core.multi_node import NodeLayout, SecuredLinks
 from evenflow.core.step_watchdog import StepWatchdog
@@ -60,7 +60,7 @@ class WorkerGroup:
     watchdog: StepWatchdog | None = None  # told of each step; checked while a result is awaited
 
     def __post_init__(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="evenflow-workers-")
+        self._dir = tempfile.mkdtemp(prefix="evenflow-workers-", dir=runtime_dir())
         self._out = self.ctx.socket(zmq.XPUB)
         self._out.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._out.setsockopt(zmq.SNDHWM, 0)  # never drop a step

@@ -31,7 +31,7 @@ import msgspec
 
 from evenflow.protocol import AdapterRef, LoRALoad
 from evenflow.protocol import SamplingParams as EngineSamplingParams
-from evenflow.protocol.lifeline import stop_processes
+from evenflow.protocol.lifeline import runtime_dir, stop_processes
 from evenflow.protocol.lora import LoRARequest
 from evenflow.protocol.validation import check_context_length, check_prompt_token_ids, check_sampling_params
 
@@ -130,7 +130,7 @@ class LLM:
         if is_demo_request(None if model is None else str(model)):
             model = choose_demo(None if model is None else str(model)).model
         self.model = str(model)
-        self._tmpdir = tempfile.mkdtemp(prefix="evenflow-llm-")
+        self._tmpdir = tempfile.mkdtemp(prefix="evenflow-llm-", dir=runtime_dir())
         self.address = f"ipc://{self._tmpdir}/engine.sock"
         self.log_path = Path(self._tmpdir) / "engine-core.log"
         flags = engine_args_to_flags(engine_args)

@@ -6,7 +6,10 @@ thing. On Linux the kernel does it (``PR_SET_PDEATHSIG``: a signal when the pare
 a daemon thread polls the parent pid. Processes started by hand (no variable) are left alone, so a
 service manager or a shell stays in charge of them.
 
-``stop_processes`` is the other end: how a launcher stops the children it started.
+``stop_processes`` is the other end: how a launcher stops the children it started. A launcher also
+names its own folder in ``EVENFLOW_RUNTIME_DIR``: its children make their temporary folders (sockets)
+there (``runtime_dir``), so a child killed before it could clean up leaves nothing once the launcher
+removes its folder (a supervisor restarting a SIGKILLed engine-core left one folder a restart).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import time
 from collections.abc import Sequence
 
 PARENT_PID_ENV = "EVENFLOW_PARENT_PID"
+RUNTIME_DIR_ENV = "EVENFLOW_RUNTIME_DIR"
+RUNTIME_DIR_MAX_LEN = 64  # leaves 43 bytes for a folder made in it and a socket in that
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.5
 
@@ -28,6 +33,14 @@ _POLL_S = 0.5
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a child that must die with this process."""
     return {**(os.environ if env is None else env), PARENT_PID_ENV: str(os.getpid())}
+
+
+def runtime_dir() -> str | None:
+    """Where this process makes its temporary folders: its launcher's folder, if it names one that
+    exists and is short enough (None: the system's temporary folder). A socket's path must fit in
+    107 bytes (``sockaddr_un``): a launcher's folder nested in another's exceeded that once."""
+    path = os.environ.get(RUNTIME_DIR_ENV)
+    return path if path and len(path) <= RUNTIME_DIR_MAX_LEN and os.path.isdir(path) else None
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> bool:

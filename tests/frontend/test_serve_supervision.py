@@ -83,11 +83,15 @@ def test_killed_frontend_and_engine_core_are_restarted_while_serving(demo_model_
         assert back_s < 30 and "frontend-0 restarted" in log.read_text()
 
         engine = _children(proc.pid, "evenflow.core.cli")[0]
+        workdir = os.path.dirname(address[6:])
+        workers_dirs = [d for d in os.listdir(workdir) if d.startswith("evenflow-workers-")]
+        assert len(workers_dirs) == 1, workers_dirs  # the engine-core's worker sockets live in serve's folder
         os.kill(engine, signal.SIGKILL)
         wait_for(lambda: _complete(url) == 200, 120, [proc], [log])
         assert "engine-core 0 restarted" in log.read_text() and proc.poll() is None
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 0
+        assert not os.path.exists(workdir)  # with the killed engine-core's sockets in it
     finally:
         if proc.poll() is None:
             stop([proc])

@@ -6,6 +6,9 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from evenflow.protocol.lifeline import stop_processes
 
@@ -59,3 +62,19 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_runtime_dir_is_the_launchers_folder_when_a_socket_fits_in_it(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    from evenflow.protocol.lifeline import RUNTIME_DIR_ENV, RUNTIME_DIR_MAX_LEN, runtime_dir
+
+    monkeypatch.setenv(RUNTIME_DIR_ENV, str(tmp_path))
+    assert runtime_dir() == str(tmp_path)
+    deep = tmp_path / ("d" * RUNTIME_DIR_MAX_LEN)
+    deep.mkdir()
+    monkeypatch.setenv(RUNTIME_DIR_ENV, str(deep))  # a socket two folders down would not fit in 107 bytes
+    assert runtime_dir() is None
+    monkeypatch.setenv(RUNTIME_DIR_ENV, str(tmp_path / "gone"))
+    assert runtime_dir() is None
+    monkeypatch.delenv(RUNTIME_DIR_ENV)
+    assert runtime_dir() is None

@@ -13,7 +13,7 @@ from evenflow.core.sched.config import ConfigError, SchedulerConfig
 from evenflow.core.sched.layered_prefill import LayerPrice, may_layer, price_key
 from evenflow.core.sched.scheduler import Scheduler
 from evenflow.core.sched.step_time_model import shape_of_step
-from evenflow.protocol import SamplingParams
+from evenflow.protocol import ModelRunnerOutput, SamplingParams
 
 from .synthetic_timing import SyntheticMachine
 from .test_budget_controller import add, run_step
@@ -139,3 +139,34 @@ def test_a_prompt_whose_one_layer_overruns_the_room_goes_in_token_chunks() -> No
     outputs = [run_step(scheduler, machine)[0] for _ in range(5)]
     assert not any(o.layer_spans for o in outputs)
     assert all(0 < o.num_scheduled_tokens["long"] < 2000 for o in outputs)  # chunks, within the allowance
+
+
+def test_a_last_group_of_fewer_layers_keeps_the_price_of_a_layer() -> None:
+    """A prompt's last group runs the layers it has left, fewer than the room holds: its step is priced,
+    and teaches the price of a layer, as those layers. The next prompt's groups are then predicted as
+    they run (counted as the room's layers, a last group of one layer priced a layer at a quarter)."""
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
+    controller = scheduler.budget_controller
+    assert controller is not None
+    for _ in range(60):
+        run_step(scheduler, machine)
+    errors: list[list[float]] = []
+    last_spans: list[int] = []
+    for name in ("first", "second", "third"):
+        add(scheduler, name, 2000)
+        errors.append([])
+        while name in scheduler.requests and scheduler.requests[name].num_output_tokens == 0:
+            output = scheduler.schedule()
+            predicted = controller.predicted_s(output.step_id)
+            req_ids = list(output.num_scheduled_tokens)
+            sampled = [[7] if scheduler.requests[r].num_output_placeholders else [] for r in req_ids]
+            seconds = machine.step_seconds(output)
+            scheduler.update_from_output(output, ModelRunnerOutput(output.step_id, req_ids, sampled, forward_s=seconds))
+            if name in output.layer_spans and predicted is not None:
+                errors[-1].append(seconds / predicted)
+                start, end = output.layer_spans[name]
+                if end == LAYERS:
+                    last_spans.append(end - start)
+    assert all(errors) and last_spans
+    assert any(n < LAYERS // 2 for n in last_spans), last_spans  # a short last group ran
+    assert all(abs(e - 1) < 0.05 for e in errors[1] + errors[2]), errors  # a linear machine, measured groups

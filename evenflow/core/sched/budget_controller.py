@@ -177,13 +177,15 @@ class BudgetController:
         return max(whole_s, self._prompt_token_floor_s(num_computed) * num_tokens) / num_layers, False
 
     def layer_group(self, survey: RunningSurvey, num_tokens: int, num_computed: int, num_layers: int,
-                    group: int = 0) -> int:
+                    group: int = 0, next_layer: int = 0) -> int:
         """Layers a prompt prefilled by layer groups (``num_tokens`` after ``num_computed``) runs through in
-        the next step: the layers whose price fits the aim's room beside the decodes (its ``group``-th;
-        layered_prefill.py), at least one; bounded by trust as an allowance is, in tokens x share."""
+        the next step, from ``next_layer`` on: the layers whose price fits the aim's room beside the decodes
+        (its ``group``-th; layered_prefill.py), at least one, at most those left; bounded by trust as an
+        allowance is, in tokens x share. (Counted as the room's, not the layers left, a last group of one
+        layer priced its layer at a quarter: the next prompt's groups then ran 1.5x their prediction.)"""
         if survey.decodes == 0:
             self._bound_by = "room"
-            return num_layers
+            return num_layers - next_layer
         if self.model.num_observations < MIN_OBSERVATIONS:
             self._bound_by = "warm-up"
             return 1
@@ -197,7 +199,7 @@ class BudgetController:
             layers, self._bound_by = trusted, "trust"
         if layers < 1:
             layers, self._bound_by = 1, "floor"
-        layers = min(layers, num_layers)
+        layers = min(layers, num_layers - next_layer)
         self.stats.layer_group_steps += 1
         self._pending_layers = (key, layers, layers * per_layer_s if measured else 0.0)
         if self._trace is not None:

@@ -233,7 +233,7 @@ class Scheduler(RequestLedger):
             return
         num_layers = self.config.num_layers
         layers = self.budget_controller.layer_group(step.gate.survey, layered.num_tokens, layered.num_computed,
-                                                    num_layers, layered.num_groups)
+                                                    num_layers, layered.num_groups, layered.next_layer)
         layered.num_groups += 1
         start, end = layered.span(layers, num_layers)
         req_id = request.request_id

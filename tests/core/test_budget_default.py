@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from evenflow.core.sched.auto_target import AUTO_TARGET_DECODE_MULTIPLE, AUTO_TARGET_FLOOR_S, AutoTarget
-from evenflow.core.sched.aim import AIM_WINDOW, GAPS_OVER_TARGET
+from evenflow.core.sched.aim import AIM_START, AIM_WINDOW, GAPS_OVER_TARGET
 from evenflow.core.sched.budget_controller import PREFILL_MIN_SHARE
 from evenflow.core.sched.budget_trace import TRACE_ENV
 from evenflow.core.sched.config import SchedulerConfig
@@ -66,8 +66,10 @@ def test_without_a_target_the_controller_derives_one_from_the_decode_steps() -> 
     target_s = AUTO_TARGET_DECODE_MULTIPLE * float(np.median(decode_only))
     target = stats.budget.target_itl_s
     assert target == pytest.approx(target_s, rel=0.05) and target > AUTO_TARGET_FLOOR_S
-    # The steps that carry a long prompt fill the derived target (a noiseless machine: the aim settles at it).
-    assert carried and max(carried) <= target * 1.05 and np.mean(carried) >= target * 0.95
+    # The steps that carry a long prompt fill the aim: from its start below the derived target to the target
+    # itself, as the errors of a noiseless machine come in.
+    assert carried and max(carried) <= target * 1.05 and np.mean(carried) >= AIM_START * target * 0.95
+    assert scheduler.budget_controller.aim_s == pytest.approx(target, rel=0.05)  # type: ignore[union-attr]
 
 
 def test_the_aim_lets_about_one_percent_of_the_gaps_run_over_the_target() -> None:
@@ -155,8 +157,8 @@ def test_the_trace_writes_each_planned_step(tmp_path: Path, monkeypatch: pytest.
     scheduler.budget_controller._trace.file.flush()  # type: ignore[union-attr]
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 59 and {r["bound_by"] for r in rows} >= {"warm-up", "aim"}  # the first step: no decodes
-    last = rows[-1]
-    assert last["target_ms"] == 10.0 and last["decodes"] == NUM_STREAMS and 0 < last["prefill_tokens"] <= last["allowance"]
+    last = [r for r in rows if r["prefill_tokens"]][-1]
+    assert last["target_ms"] == 10.0 and last["decodes"] >= NUM_STREAMS and 0 < last["prefill_tokens"] <= last["allowance"]
     assert last["measured_ms"] == pytest.approx(last["predicted_ms"], rel=0.02)  # a noiseless machine, fitted
 
 
@@ -238,7 +240,7 @@ def test_a_chunk_is_never_priced_below_what_prompt_tokens_measured() -> None:
     assert controller.prefill_allowance(survey) == 2048 - 8  # unmeasured: the fit's word (and the room)
     for _ in range(AIM_MIN_SAMPLES):  # 64 prompt tokens beside the decodes took 6.4 ms more
         controller.prompt_cost.observe(0.010 + 64 * 1e-4, 0.010, 64, 1000)
-    assert controller.prefill_allowance(survey) == int(0.040 / (MEASURED_COST_SHARE * 1e-4))
+    assert controller.prefill_allowance(survey) == int((controller.aim_s - 0.010) / (MEASURED_COST_SHARE * 1e-4))
 
 
 def test_steps_stay_near_the_target_while_the_fit_prices_prompt_tokens_at_nothing() -> None:

@@ -86,14 +86,13 @@ def test_a_layer_group_is_priced_as_its_share_and_then_by_its_own_groups() -> No
     assert third.prefill_pairs == pytest.approx(whole.prefill_pairs / 3)
     assert third.requests == whole.requests
     price = LayerPrice()
-    later = price_key(1000, 200, 5)
-    assert later == price_key(1000, 200, 2) != price_key(1000, 200, 1)  # the first groups are priced apart
-    assert later == price_key(1010, 250, 3) != price_key(1000, 0, 3)  # shapes to a power of two
+    later = price_key(1000, 200)
+    assert later == price_key(1010, 250) != price_key(1000, 0)  # shapes to a power of two
     assert price.per_layer_s(later, 1000) == 0.0
     price.observe(later, 0.090, 3, 1000)
     assert price.per_layer_s(later, 1000) == pytest.approx(0.030)
     assert price.per_layer_s(later, 1010) == pytest.approx(0.0303)  # a token's share
-    assert price.per_layer_s(price_key(1000, 0, 5), 1000) == 0.0
+    assert price.per_layer_s(price_key(1000, 0), 1000) == 0.0
     price.observe(later, 0.050, 1, 1000)
     assert price.per_layer_s(later, 1000) == pytest.approx(0.040)
 

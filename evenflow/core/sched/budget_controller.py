@@ -64,7 +64,7 @@ PREFILL_MIN_SHARE = 0.2  # of a step's predicted time, for a prompt to prefill b
 # (MeasuredPromptCost); below it the measured cost sizes the chunk and predicts its step.
 MEASURED_COST_SHARE = 0.8
 MEASURED_WINDOW = 64  # prefill steps a context bucket remembers
-UNAIMED = ("share", "floor", "warm-up")  # allowances the aim did not size: their steps do not move it
+UNAIMED = ("share", "floor", "warm-up", "probe")  # allowances the aim did not size: their steps do not move it
 
 
 @dataclass
@@ -78,7 +78,7 @@ class _Planned:
     prefill_context: int = 0  # computed tokens before its first prompt chunk
     layers: int = 0  # a layered prefill's group: its layers, its chunk's tokens and its price's key
     layer_tokens: int = 0
-    layer_key: tuple[int, int, int] = (0, 0, 0)
+    layer_key: tuple[int, int] = (0, 0)
     trace: PlannedStep | None = None
 
     @property
@@ -104,7 +104,7 @@ class BudgetController:
         self._trace = BudgetTrace.from_env()
         self._pending_trace: PlannedStep | None = None  # prefill_allowance's decision, until record()
         self.layer_price = LayerPrice()
-        self._pending_layers: tuple[tuple[int, int, int], int, float] | None = None  # layer_group's, until record()
+        self._pending_layers: tuple[tuple[int, int], int, float] | None = None  # layer_group's, until record()
         self._bound_by = ""  # which rule set the last allowance
         self._log = BudgetLog()
 
@@ -161,11 +161,11 @@ class BudgetController:
         _, room_s, bound_by = self._prompt_room(cost, survey)
         if bound_by != "aim":  # the decodes alone take the aim: the prompt goes in chunks of its share
             return False
-        per_layer_s, _ = self._layer_price_s(cost, price_key(num_tokens, num_computed, 0), num_tokens, num_computed,
+        per_layer_s, _ = self._layer_price_s(cost, price_key(num_tokens, num_computed), num_tokens, num_computed,
                                              num_layers)
         return 0 < per_layer_s <= room_s
 
-    def _layer_price_s(self, cost: StepCosts, key: tuple[int, int, int], num_tokens: int, num_computed: int,
+    def _layer_price_s(self, cost: StepCosts, key: tuple[int, int], num_tokens: int, num_computed: int,
                        num_layers: int) -> tuple[float, bool]:
         """One layer of the chunk beside the decodes, and whether groups of its shape measured it
         (``LayerPrice``); else the fit's share of the whole chunk."""
@@ -177,12 +177,14 @@ class BudgetController:
         return max(whole_s, self._prompt_token_floor_s(num_computed) * num_tokens) / num_layers, False
 
     def layer_group(self, survey: RunningSurvey, num_tokens: int, num_computed: int, num_layers: int,
-                    group: int = 0, next_layer: int = 0) -> int:
+                    next_layer: int = 0) -> int:
         """Layers a prompt prefilled by layer groups (``num_tokens`` after ``num_computed``) runs through in
-        the next step, from ``next_layer`` on: the layers whose price fits the aim's room beside the decodes
-        (its ``group``-th; layered_prefill.py), at least one, at most those left; bounded by trust as an
-        allowance is, in tokens x share. (Counted as the room's, not the layers left, a last group of one
-        layer priced its layer at a quarter: the next prompt's groups then ran 1.5x their prediction.)"""
+        the next step, from ``next_layer`` on (layered_prefill.py): the layers whose measured price fits the
+        aim's room beside the decodes, at least one, at most those left; bounded by trust as an allowance
+        is, in tokens x share. A shape no group measured yet runs one layer: the fit's share of a whole
+        chunk overran by up to 1.7x served. (Counted as the room's, not the layers left, a last group
+        of one layer priced its layer at a quarter: the next prompt's groups then ran 1.5x their
+        prediction.)"""
         if survey.decodes == 0:
             self._bound_by = "room"
             return num_layers - next_layer
@@ -191,9 +193,11 @@ class BudgetController:
             return 1
         cost = self.model.fitted_costs()
         base_s, room_s, self._bound_by = self._prompt_room(cost, survey)
-        key = price_key(num_tokens, num_computed, group)
+        key = price_key(num_tokens, num_computed)
         per_layer_s, measured = self._layer_price_s(cost, key, num_tokens, num_computed, num_layers)
         layers = int(room_s / per_layer_s) if per_layer_s > 0 else num_layers
+        if not measured:
+            layers, self._bound_by = 1, "probe"
         trusted = int(num_layers * TRUST_GROWTH * self.largest_prefill_seen / num_tokens)
         if trusted < layers:
             layers, self._bound_by = trusted, "trust"

@@ -31,7 +31,6 @@ class LayeredPrefill:
     num_tokens: int  # its chunk: every known token it has left, as far as a step holds them
     num_computed: int  # the tokens before the chunk
     next_layer: int = 0
-    num_groups: int = 0  # its layer groups scheduled so far
 
     def span(self, num_layers_now: int, num_layers: int) -> tuple[int, int]:
         """The layers of its next step, ``num_layers_now`` of them at most."""
@@ -47,34 +46,29 @@ def may_layer(config: SchedulerConfig, request: Request, num_new: int) -> bool:
             and params.prompt_logprobs is None and request.grammar is None and request.lora is None)
 
 
-# A climb's first groups are priced apart from its later ones: served on the real GGUF the first two
-# groups of each 2048-token prompt took 1.3-1.45x their later groups' price a layer (the streams' worst
-# gaps), the third on the later ones' (docs/results/steadiness.md, set 29).
-PRICED_APART_GROUPS = 2
-
-
-def price_key(num_tokens: int, num_computed: int, group: int) -> tuple[int, int, int]:
+def price_key(num_tokens: int, num_computed: int) -> tuple[int, int]:
     """What a layer group's price is kept under: its chunk's tokens and context, each to a power of
-    two (a 2042- and a 2043-token chunk cost the same a token), and which of its groups it is."""
-    return num_tokens.bit_length(), num_computed.bit_length(), min(group, PRICED_APART_GROUPS)
+    two (a 2042- and a 2043-token chunk cost the same a token)."""
+    return num_tokens.bit_length(), num_computed.bit_length()
 
 
 class LayerPrice:
     """What one layer of a layered prompt costs beside the decodes, as measured on earlier groups.
 
     Every layer of a chunk does the same work, so a prompt's groups are priced by measurements of the
-    same shape (``price_key``: its later groups by its own earlier ones, its first groups by the last
+    same shape (``price_key``: its later groups by its own earlier ones, its first group by the last
     prompt's) rather than by the step-time fit, whose per-token cost is mostly learnt on steps of other
-    shapes; the aim's margin for prediction errors then shrinks to the machine's noise."""
+    shapes; the aim's margin for prediction errors then shrinks to the machine's noise. (Served on the
+    real GGUF a climb's first group cost 5-10% more a layer than its later ones, within that margin.)"""
 
     def __init__(self) -> None:
-        self._per_token_layer_s: dict[tuple[int, int, int], float] = {}
+        self._per_token_layer_s: dict[tuple[int, int], float] = {}
 
-    def per_layer_s(self, key: tuple[int, int, int], num_tokens: int) -> float:
+    def per_layer_s(self, key: tuple[int, int], num_tokens: int) -> float:
         """Seconds a layer of ``num_tokens`` tokens in a group ``key`` costs, as measured (0.0: none)."""
         return self._per_token_layer_s.get(key, 0.0) * num_tokens
 
-    def observe(self, key: tuple[int, int, int], prompt_s: float, layers: int, num_tokens: int) -> None:
+    def observe(self, key: tuple[int, int], prompt_s: float, layers: int, num_tokens: int) -> None:
         """A step that ran ``layers`` layers of ``num_tokens`` tokens in a group ``key`` and took
         ``prompt_s`` beyond its decodes."""
         price = max(prompt_s, 0.0) / (layers * num_tokens)

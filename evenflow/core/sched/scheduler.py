@@ -233,8 +233,7 @@ class Scheduler(RequestLedger):
             return
         num_layers = self.config.num_layers
         layers = self.budget_controller.layer_group(step.gate.survey, layered.num_tokens, layered.num_computed,
-                                                    num_layers, layered.num_groups, layered.next_layer)
-        layered.num_groups += 1
+                                                    num_layers, layered.next_layer)
         start, end = layered.span(layers, num_layers)
         req_id = request.request_id
         if start > 0:  # the first group's step carried its blocks (admission, _start_running_layered)

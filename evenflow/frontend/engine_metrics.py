@@ -48,7 +48,8 @@ ENGINE_METRICS: list[EngineMetric] = [
                  lambda e: e.scheduler.num_steps),
     EngineMetric("evenflow:scheduled_tokens_total", "counter",
                  "Tokens computed by the model: the sum of every step's scheduled tokens (recomputation after "
-                 "preemption included).", lambda e: e.scheduler.num_scheduled_tokens),
+                 "preemption included; a prompt's layer group counts its share of its tokens).",
+                 lambda e: e.scheduler.num_scheduled_tokens),
     EngineMetric("evenflow:worker_forward_seconds_total", "counter", "Seconds the workers spent in forward passes.",
                  lambda e: e.workers.forward_s),
     EngineMetric("evenflow:worker_idle_seconds_total", "counter",

@@ -36,9 +36,12 @@ def test_a_long_prompt_beside_streams_climbs_the_layers_within_the_target() -> N
     add(scheduler, "long", 2000)
     add(scheduler, "behind", 300)
     spans, seconds = [], []
+    counted = scheduler.get_stats().scheduler.num_scheduled_tokens
     while "long" in scheduler.requests and scheduler.requests["long"].num_output_tokens == 0:
         output, step_s = run_step(scheduler, machine)
+        counted += output.total_num_scheduled_tokens
         if "long" in output.layer_spans:
+            counted -= 2000 - round(2000 * (output.layer_spans["long"][1] - output.layer_spans["long"][0]) / LAYERS)
             spans.append(output.layer_spans["long"])
             seconds.append(step_s)
             last = spans[-1][1] == LAYERS
@@ -50,10 +53,12 @@ def test_a_long_prompt_beside_streams_climbs_the_layers_within_the_target() -> N
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     assert 2 <= len(spans) < LAYERS  # several layers a step once the price of one is measured
     assert max(seconds) <= 30e-3 * 1.001  # a linear machine is predicted exactly: every step within the target
+    assert scheduler.get_stats().scheduler.num_scheduled_tokens == counted  # a layer group counts its share
     run_step(scheduler, machine)
     assert scheduler.requests["behind"].num_computed_tokens > 0  # its turn came
     counts = scheduler.get_stats().scheduler
     assert (counts.num_layered_prefills, counts.num_layer_group_steps) == (1, len(spans))
+
 
 
 def test_without_streams_or_before_the_fit_prompts_go_in_token_chunks() -> None:

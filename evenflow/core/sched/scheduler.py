@@ -311,6 +311,9 @@ class Scheduler(RequestLedger):
         if total:
             self._num_steps += 1  # steps that run something; step_id counts every call
             self._num_scheduled_tokens += total
+            for req_id, (start, end) in step.layer_spans.items():  # a layer group: its share of its tokens' work
+                self._num_scheduled_tokens -= round(step.num_scheduled_tokens[req_id]
+                                                    * (1 - (end - start) / self.config.num_layers))
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         output = SchedulerOutput(
             step_id=step.step_id,

@@ -21,7 +21,7 @@ GAPS_OVER_TARGET = 0.01  # the target is a p99: the share of the streams' gaps t
 AIM_SHARE_MARGIN = 0.75
 MAX_OVER_SHARE = 0.25  # of the prefill-carrying steps, however few of the gaps they are
 AIM_WINDOW = 256  # prefill-carrying steps whose prediction errors set the aim
-AIM_MIN_SAMPLES = 16  # errors seen before the aim moves off the target
+AIM_MIN_SAMPLES = 16  # errors seen before the aim moves off its start
 AIM_MIN = 0.5  # of the target
 # Before the errors are known: where the aim settled in served runs on the real GGUF (0.83-0.87 of the
 # target); at the target itself the first prompt's steps were the run's worst gaps.

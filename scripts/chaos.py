@@ -22,8 +22,6 @@ import argparse
 import asyncio
 import math
 import os
-import re
-import shutil
 import signal
 import sys
 import tempfile
@@ -157,12 +155,6 @@ class ServeRun:
         self.serve: Proc | None = None
         self.faults: list[tuple[str, float]] = []
 
-    def remove_workdir(self) -> None:
-        """What the SIGKILLed launcher could not remove: its folder (its engine's socket), named in its log."""
-        found = re.search(r"ipc://(\S+)/engine\.sock", (self.work / "serve.log").read_text(errors="replace"))
-        if found:
-            shutil.rmtree(found.group(1), ignore_errors=True)
-
     async def run(self, seconds: float) -> None:
         port = self.url.rsplit(":", 1)[1]
         self.serve = self.fleet.add(Proc("serve", ["-m", "evenflow.frontend", "serve", "--model", self.model,
@@ -205,7 +197,7 @@ async def quiesce(url: str, num_blocks: int) -> int:
 
 async def main_async(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="evenflow-chaos-", dir=runtime_dir()))
-    os.environ[RUNTIME_DIR_ENV] = str(work)  # what the killed processes leave stays with the run's logs
+    os.environ[RUNTIME_DIR_ENV] = str(work)  # serve's folder and killed engines' sockets stay with the run's logs
     model = args.model
     if model is None:
         from evenflow.frontend.demo_model import ensure_demo_model
@@ -231,7 +223,6 @@ async def main_async(args: argparse.Namespace) -> int:
         assert serve.serve is not None
         serve.serve.signal(signal.SIGKILL)  # the launcher dies: its children must follow
         orphans = await asyncio.to_thread(fleet.orphans)
-        serve.remove_workdir()
     finally:
         fleet.kill_leftovers()
     itl = fault_itl(ledger.streams, parts.faults + serve.faults, window_s=min(10.0, args.fault_every))

@@ -31,7 +31,7 @@ import msgspec
 
 from evenflow.protocol import AdapterRef, LoRALoad
 from evenflow.protocol import SamplingParams as EngineSamplingParams
-from evenflow.protocol.lifeline import runtime_dir, stop_processes
+from evenflow.protocol.lifeline import runtime_dir, stop_processes, with_runtime_dir
 from evenflow.protocol.lora import LoRARequest
 from evenflow.protocol.validation import check_context_length, check_prompt_token_ids, check_sampling_params
 
@@ -149,7 +149,8 @@ class LLM:
                 raise
         else:
             cmd = [sys.executable, "-m", "evenflow.core.cli", "--model", self.model, "--listen", self.address, *flags]
-            self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+            self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                          env=with_runtime_dir(dict(os.environ), self._tmpdir))
         self._client = BlockingEngineClient(self.address, client_name=f"llm-{os.getpid()}")
         self._ids = itertools.count()
         atexit.register(self.shutdown)

@@ -23,7 +23,7 @@ import tempfile
 import time
 from typing import Callable, Sequence
 
-from evenflow.protocol.lifeline import RUNTIME_DIR_ENV, child_env, stop_processes
+from evenflow.protocol.lifeline import child_env, runtime_dir, stop_processes, with_runtime_dir
 
 from evenflow.frontend.default_model import RANDOM_DEMO, choose_demo, is_demo_request
 from evenflow.frontend.flags import RUNTIME_LORA_ENV, add_frontend_flags
@@ -99,7 +99,7 @@ def serve_main(argv: Sequence[str]) -> int:
     if is_demo_request(model):
         demo = choose_demo(model)
         model, served_name, note = demo.model, served_name or demo.served_name, demo.note
-    workdir = tempfile.mkdtemp(prefix="evenflow-serve-")
+    workdir = tempfile.mkdtemp(prefix="evenflow-serve-", dir=runtime_dir())
     dp = args.data_parallel_size
     engine_addrs = ([args.engine_listen or f"ipc://{workdir}/engine.sock"] if dp == 1
                     else [f"ipc://{workdir}/engine-{i}.sock" for i in range(dp)])
@@ -108,7 +108,7 @@ def serve_main(argv: Sequence[str]) -> int:
     reserved = bind_reuseport(args.host, args.port)  # bound, never listening: holds the port
     port = reserved.getsockname()[1]
     # Children get SIGTERM if this launcher dies, even by SIGKILL (evenflow/protocol/lifeline.py).
-    env = child_env(dict(os.environ, EVENFLOW_METRICS_DIR=metrics_dir, **{RUNTIME_DIR_ENV: workdir}))
+    env = with_runtime_dir(child_env(dict(os.environ, EVENFLOW_METRICS_DIR=metrics_dir)), workdir)
     if args.api_key:  # through the environment: a command line is visible to every user in `ps`
         env["EVENFLOW_API_KEY"] = args.api_key
     if args.allow_runtime_lora_updating:

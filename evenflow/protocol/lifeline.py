@@ -35,6 +35,11 @@ def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return {**(os.environ if env is None else env), PARENT_PID_ENV: str(os.getpid())}
 
 
+def with_runtime_dir(env: dict[str, str], folder: str) -> dict[str, str]:
+    """``env`` naming ``folder`` as the children's runtime folder (``runtime_dir``)."""
+    return {**env, RUNTIME_DIR_ENV: folder}
+
+
 def runtime_dir() -> str | None:
     """Where this process makes its temporary folders: its launcher's folder, if it names one that
     exists and is short enough (None: the system's temporary folder). A socket's path must fit in

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,17 +66,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_runtime_dir_is_the_launchers_folder_when_a_socket_fits_in_it(monkeypatch: pytest.MonkeyPatch,
-                                                                      tmp_path: Path) -> None:
+def test_runtime_dir_is_the_launchers_folder_when_a_socket_fits_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
     from evenflow.protocol.lifeline import RUNTIME_DIR_ENV, RUNTIME_DIR_MAX_LEN, runtime_dir
 
-    monkeypatch.setenv(RUNTIME_DIR_ENV, str(tmp_path))
-    assert runtime_dir() == str(tmp_path)
-    deep = tmp_path / ("d" * RUNTIME_DIR_MAX_LEN)
-    deep.mkdir()
-    monkeypatch.setenv(RUNTIME_DIR_ENV, str(deep))  # a socket two folders down would not fit in 107 bytes
-    assert runtime_dir() is None
-    monkeypatch.setenv(RUNTIME_DIR_ENV, str(tmp_path / "gone"))
-    assert runtime_dir() is None
-    monkeypatch.delenv(RUNTIME_DIR_ENV)
-    assert runtime_dir() is None
+    folder = Path(tempfile.mkdtemp(prefix="ef-", dir="/tmp"))  # short: pytest's folders grow with the user name
+    try:
+        monkeypatch.setenv(RUNTIME_DIR_ENV, str(folder))
+        assert runtime_dir() == str(folder)
+        deep = folder / ("d" * RUNTIME_DIR_MAX_LEN)
+        deep.mkdir()
+        monkeypatch.setenv(RUNTIME_DIR_ENV, str(deep))  # a socket two folders down would not fit in 107 bytes
+        assert runtime_dir() is None
+        monkeypatch.setenv(RUNTIME_DIR_ENV, str(folder / "gone"))
+        assert runtime_dir() is None
+        monkeypatch.delenv(RUNTIME_DIR_ENV)
+        assert runtime_dir() is None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

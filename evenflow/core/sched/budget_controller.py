@@ -8,8 +8,8 @@ root, not a search.
 
 * Decodes are never limited; only the prefill riding along is.
 * The aim is the promised percentile, not every step: the target is a p99 of the streams' gaps,
-  so about 1% of the gaps may run over it (``Aim``, evenflow/core/sched/aim.py). No step is planned
-  over ``STALL_BOUND`` x the target.
+  so about 1% of the gaps may run over it (``Aim``, evenflow/core/sched/aim.py); the aim is at most
+  ``STALL_BOUND`` x the target.
 * A prompt's share: when the decodes alone are predicted to take the whole aim, a step with a prompt
   to prefill gives it ``PREFILL_MIN_SHARE`` (a fifth) of its predicted time, so a long prompt beside
   streams that already miss the target still prefills at about a fifth of its unchunked rate, not
@@ -170,14 +170,14 @@ class BudgetController:
         """One layer of the chunk beside the decodes, and whether groups of its shape measured it
         (``LayerPrice``); else the fit's share of the whole chunk."""
         measured_s = self.layer_price.per_layer_s(key, num_tokens)
-        if measured_s > 0:
+        if measured_s is not None:
             return measured_s, True
         whole_s = (cost.per_token * num_tokens + cost.per_read * (num_computed + num_tokens)
                    + cost.per_pair * chunk_pairs(num_tokens, num_computed))
         return max(whole_s, self._prompt_token_floor_s(num_computed) * num_tokens) / num_layers, False
 
     def layer_group(self, survey: RunningSurvey, num_tokens: int, num_computed: int, num_layers: int,
-                    next_layer: int = 0) -> int:
+                    next_layer: int) -> int:
         """Layers a prompt prefilled by layer groups (``num_tokens`` after ``num_computed``) runs through in
         the next step, from ``next_layer`` on (layered_prefill.py): the layers whose measured price fits the
         aim's room beside the decodes, at least one, at most those left; bounded by trust as an allowance
@@ -205,7 +205,7 @@ class BudgetController:
             layers, self._bound_by = 1, "floor"
         layers = min(layers, num_layers - next_layer)
         self.stats.layer_group_steps += 1
-        self._pending_layers = (key, layers, layers * per_layer_s if measured else 0.0)
+        self._pending_layers = (key, layers, layers * per_layer_s if measured else -1.0)
         if self._trace is not None:
             self._pending_trace = PlannedStep(-1, self.target_s * 1e3, self.aim_s * 1e3, survey.decodes,
                                               base_s * 1e3, layers, f"layers:{self._bound_by}")
@@ -279,7 +279,7 @@ class BudgetController:
         layered, self._pending_layers = self._pending_layers, None
         if layered is not None and gate.chunk_share < 1:
             key, layers, measured_s = layered
-            if measured_s > 0:  # priced by its own earlier groups (LayerPrice)
+            if measured_s >= 0:  # priced by earlier groups of its shape (LayerPrice); -1: not yet
                 predicted_s = max(alone_s, 0.0) + measured_s
         planned = _Planned(shape, predicted_s, survey.decodes > 0, prefill_tokens, alone_s,
                            self._bound_by not in UNAIMED, context)

@@ -46,6 +46,12 @@ def may_layer(config: SchedulerConfig, request: Request, num_new: int) -> bool:
             and params.prompt_logprobs is None and request.grammar is None and request.lora is None)
 
 
+def group_tokens(num_tokens: int, span: tuple[int, int], num_layers: int) -> int:
+    """A layer group's share of its chunk's tokens, rounded so a climb's groups add up to the chunk."""
+    start, end = span
+    return round(num_tokens * end / num_layers) - round(num_tokens * start / num_layers)
+
+
 def price_key(num_tokens: int, num_computed: int) -> tuple[int, int]:
     """What a layer group's price is kept under: its chunk's tokens and context, each to a power of
     two (a 2042- and a 2043-token chunk cost the same a token)."""
@@ -64,16 +70,18 @@ class LayerPrice:
     def __init__(self) -> None:
         self._per_token_layer_s: dict[tuple[int, int], float] = {}
 
-    def per_layer_s(self, key: tuple[int, int], num_tokens: int) -> float:
-        """Seconds a layer of ``num_tokens`` tokens in a group ``key`` costs, as measured (0.0: none)."""
-        return self._per_token_layer_s.get(key, 0.0) * num_tokens
+    def per_layer_s(self, key: tuple[int, int], num_tokens: int) -> float | None:
+        """Seconds a layer of ``num_tokens`` tokens in a group ``key`` costs, as measured (None: never;
+        0.0 is a price: a step at or under its decodes' prediction)."""
+        price = self._per_token_layer_s.get(key)
+        return None if price is None else price * num_tokens
 
     def observe(self, key: tuple[int, int], prompt_s: float, layers: int, num_tokens: int) -> None:
         """A step that ran ``layers`` layers of ``num_tokens`` tokens in a group ``key`` and took
         ``prompt_s`` beyond its decodes."""
         price = max(prompt_s, 0.0) / (layers * num_tokens)
-        last = self._per_token_layer_s.get(key, 0.0)
-        if last > 0:
+        last = self._per_token_layer_s.get(key)
+        if last is not None:
             price = (last + price) / 2  # the last few groups: a drifting machine is followed
         elif len(self._per_token_layer_s) >= 64:  # shapes seen long ago: forget them
             self._per_token_layer_s.clear()

@@ -54,7 +54,7 @@ class RequestLedger:
         self._num_layered_prefills = 0  # prompt chunks prefilled by layer groups (core/sched/layered_prefill.py)
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
-        self._num_scheduled_tokens = 0  # every step's scheduled tokens, recomputation included
+        self._num_scheduled_tokens = 0  # every step's scheduled tokens, recomputation included (a layer group: its share)
         self._schedule_s = 0.0
         self._update_s = 0.0
         self._spec_counters = SpecDecodeCounters()

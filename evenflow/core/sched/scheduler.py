@@ -30,7 +30,7 @@ from evenflow.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 
 from evenflow.core.kv.block_pool import KVBlock
 from evenflow.core.kv.manager import ComputedBlocks
-from evenflow.core.sched.layered_prefill import LayeredPrefill, may_layer
+from evenflow.core.sched.layered_prefill import LayeredPrefill, group_tokens, may_layer
 from evenflow.core.sched.prefill_gate import PrefillGate
 from evenflow.core.sched.step_plan import StepPlan
 from evenflow.core.request import Request, RequestStatus
@@ -311,9 +311,9 @@ class Scheduler(RequestLedger):
         if total:
             self._num_steps += 1  # steps that run something; step_id counts every call
             self._num_scheduled_tokens += total
-            for req_id, (start, end) in step.layer_spans.items():  # a layer group: its share of its tokens' work
-                self._num_scheduled_tokens -= round(step.num_scheduled_tokens[req_id]
-                                                    * (1 - (end - start) / self.config.num_layers))
+            for req_id, span in step.layer_spans.items():  # a layer group: its share of its tokens' work
+                n = step.num_scheduled_tokens[req_id]
+                self._num_scheduled_tokens += group_tokens(n, span, self.config.num_layers) - n
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         output = SchedulerOutput(
             step_id=step.step_id,

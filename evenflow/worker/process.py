@@ -44,6 +44,7 @@ from evenflow.worker.omp_env import quiet_omp_waits
 log = logging.getLogger("evenflow.worker.process")
 
 _PARENT_POLL_S = 0.5
+LINK_GRACE_S = 5.0  # a step link down this long is lost: the heartbeat's timeout (evenflow/core/multi_node.py)
 
 
 def watch_parent(parent_pid: int) -> None:
@@ -78,21 +79,43 @@ def connect(ctx: zmq.Context, kind: int, address: str, cfg: WorkerConfig) -> zmq
     return sock
 
 
+class LinkState:
+    """Whether the step link to the engine-core is lost: it came up, went down, and stayed down past
+    ``LINK_GRACE_S``. ZMQ reconnects a dropped link by itself, and the monitor's events wait in a queue
+    while the worker loads its model, so a drop is read late, often after the link came back (a CI run's
+    headless worker died of one at start-up while its engine-core waited for it)."""
+
+    def __init__(self) -> None:
+        self.up = False
+        self.down_since: float | None = None
+
+    def note(self, handshake: bool, now: float) -> None:
+        """A monitor event read at ``now``: a handshake that succeeded, else a disconnect."""
+        if handshake:
+            self.up, self.down_since = True, None
+        elif self.up and self.down_since is None:
+            self.down_since = now
+
+    def lost(self, now: float) -> bool:
+        return self.down_since is not None and now - self.down_since > LINK_GRACE_S
+
+
 class EngineWatch:
-    """Over TCP: the engine-core is lost when the step link, once up, disconnects."""
+    """Over TCP: the engine-core is lost when the step link, once up, stays down (``LinkState``)."""
 
     def __init__(self, sub: zmq.Socket) -> None:
         self._monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        self._up = False
+        self._state = LinkState()
+        self._endpoint = ""
 
     def recv(self, sub: zmq.Socket) -> zmq.Frame:
         while not sub.poll(250):
             while self._monitor.poll(0):
                 event = recv_monitor_message(self._monitor)
-                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self._up = True
-                elif self._up:
-                    raise ConnectionError(f"lost the engine-core at {event['endpoint'].decode(errors='replace')}")
+                self._state.note(event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED, time.monotonic())
+                self._endpoint = event["endpoint"].decode(errors="replace")
+            if self._state.lost(time.monotonic()):
+                raise ConnectionError(f"lost the engine-core at {self._endpoint}")
         return sub.recv(copy=False)
 
     def close(self) -> None:

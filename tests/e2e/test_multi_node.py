@@ -1,7 +1,7 @@
 """Tensor parallel across two "hosts" on loopback: an engine-core with rank 0 and a headless
 launcher with rank 1, joined through torch.distributed and the secured TCP links. Greedy outputs
 equal tensor parallel 1 and transformers; killing the second host ends the engine-core with the
-cause, which the client hears."""
+cause, which the client hears; killing the engine-core ends the headless host."""
 
 from __future__ import annotations
 
@@ -75,3 +75,29 @@ def test_two_hosts_match_tp1_and_a_lost_host_stops_the_engine(tiny_llama: Path, 
             host1.kill()
         host1.wait()
         host1_log.close()
+
+
+def test_a_headless_host_leaves_when_the_engine_core_is_gone(tiny_llama: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SECRET_ENV, "loopback-test-secret-0123456789")
+    port = _port_base()
+    nodes = ("-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
+    host1_log_path = tmp_path / "host1.log"
+    with open(host1_log_path, "wb") as host1_log:
+        host1 = subprocess.Popen([sys.executable, "-m", "evenflow.core", "--model", str(tiny_llama), *FLAGS, *nodes,
+                                  "--node-rank", "1", "--headless"], stdout=host1_log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL)
+    host0 = None
+    try:
+        host0 = start_engine(tiny_llama, tmp_path, *FLAGS, *nodes, "--node-rank", "0", name="host0")
+        host0.proc.send_signal(signal.SIGKILL)  # its worker follows it (it dies with its parent)
+        host0.proc.wait()
+        # The link stays down past the grace (LinkState): the headless rank, then its launcher, exit.
+        assert host1.wait(timeout=60) != 0
+        assert "lost the engine-core" in host1_log_path.read_text(errors="replace")
+    finally:
+        if host0 is not None:
+            host0.stop()
+        if host1.poll() is None:
+            host1.kill()
+        host1.wait()

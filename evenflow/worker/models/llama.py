@@ -281,6 +281,16 @@ class LlamaModel(nn.Module):
         x.masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(x)
 
+    def _rows_view(self, x: torch.Tensor, cos_all: torch.Tensor, sin_all: torch.Tensor,
+                   lora: LoRAStep | None) -> tuple[int, torch.Tensor, torch.Tensor, CompiledOps | None]:
+        """The rows running the next layers (the step's first ``n``): their rotary tables, and the compiled
+        elementwise groups when many rows run on the narrowing path (models/compiled_ops.py)."""
+        n = x.shape[0]
+        cos, sin = (cos_all, sin_all) if n == cos_all.shape[0] else (cos_all[:n], sin_all[:n])
+        ops = self.compiled_ops if self.compiled_ops is not None and self.compiled_ops.takes(n) and lora is None \
+            else None
+        return n, cos, sin, ops
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -316,16 +326,13 @@ class LlamaModel(nn.Module):
         act = dtype if lora is not None else None
         plan = attn_plan if layered is None or layered.start == 0 else layered.rest_plan
         delta: torch.Tensor | None = None  # the last projection's output, added to x by the next norm
+        n, cos, sin, ops = self._rows_view(x, cos_all, sin_all, lora)
         for i, (layer, w, (in_scaled, post_scaled)) in enumerate(zip(self.layers, self._linears, self._scaled_norms)):
             if layered is not None and i in (layered.start, layered.end) and (i > 0 or layered.start > 0):
                 x, delta, plan = layered_boundary(i, x, delta, layered, attn_plan, num_rest)
-            n = x.shape[0]
+                n, cos, sin, ops = self._rows_view(x, cos_all, sin_all, lora)  # the rows changed: only here
             if n == 0:  # the layered rows are the step and are outside their span here
                 continue
-            cos, sin = (cos_all, sin_all) if n == cos_all.shape[0] else (cos_all[:n], sin_all[:n])
-            # Many-row steps on the narrowing path run the elementwise groups compiled (models/compiled_ops.py).
-            ops = self.compiled_ops if self.compiled_ops is not None and self.compiled_ops.takes(n) and lora is None \
-                else None
             h = self._add_norm(x, delta, layer.input_norm, in_scaled, act or linear.act_dtype(w.qkv, n), ops)
             qkv = linear(h, w.qkv, w.qkv_bias)
             if lora is not None:

@@ -10,8 +10,9 @@ and as CURVE servers keyed by the hosts' shared secret (evenflow/protocol/link_a
 A host that dies (its launcher killed, the machine gone) drops its TCP connections. Only a peer
 that passed the CURVE handshake can subscribe to the step broadcast, and with XPUB_VERBOSER the
 engine-core hears an unsubscription whenever such a subscriber's connection ends: that is a lost
-host, treated as a lost worker (ZMQ heartbeats catch a silent peer within seconds). A stranger
-failing the handshake never subscribed, so it cannot fake one.
+host, treated as a lost worker (TCP keepalive ends the link of a host that stops answering within
+~10 s; a paused process is a slow step: link_auth.py). A stranger failing the handshake never
+subscribed, so it cannot fake one.
 """
 
 from __future__ import annotations
@@ -28,10 +29,6 @@ from evenflow.protocol.link_auth import SECRET_ENV, LinkKeys, derive_link_keys, 
 from evenflow.core.engine_config import EngineConfig
 
 log = logging.getLogger("evenflow.core.multi_node")
-
-HEARTBEAT_IVL_MS = 1000  # ZMQ pings each remote peer this often ...
-HEARTBEAT_TIMEOUT_MS = 5000  # ... and drops a connection silent this long
-
 
 @dataclass(frozen=True)
 class NodeLayout:
@@ -87,8 +84,6 @@ class SecuredLinks:
         self._auth.configure_curve_callback("evenflow-workers", credentials_provider=_OnlyKey(layout.keys.client_public))
         for sock in (steps, results):
             secure_server(sock, layout.keys)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         steps.setsockopt(zmq.XPUB_VERBOSER, 1)  # an unsubscription for every subscriber that leaves
         try:
             steps.bind(layout.steps_addr)

@@ -111,8 +111,7 @@ class WorkerGroup:
             if self._out in events:
                 if self._out.recv()[:1] == b"\x01":
                     subscribed += 1
-            if self._in in events:
-                msg = self._decode(self._in.recv())
+            if self._in in events and (msg := self._poll_in(0)) is not None:
                 if isinstance(msg, WorkerReady):
                     readies[msg.rank] = msg
                 elif isinstance(msg, WorkerError):
@@ -132,8 +131,7 @@ class WorkerGroup:
             if time.monotonic() > deadline:
                 raise WorkerFailure(f"ranks {sorted(waiting)} did not allocate their KV cache within "
                                     f"{self.start_timeout:.0f} s")
-            if self._in.poll(_POLL_SLICE_MS):
-                msg = self._decode(self._in.recv())
+            if (msg := self._poll_in(_POLL_SLICE_MS)) is not None:
                 if isinstance(msg, KVCacheReady):
                     waiting.discard(msg.rank)
                 elif isinstance(msg, WorkerError):
@@ -154,8 +152,7 @@ class WorkerGroup:
         """Wait for rank 0's result of ``step_id``; raise WorkerFailure if any rank fails first (and
         StepTimeout when the watchdog finds the step past --step-timeout)."""
         while True:
-            if self._in.poll(_POLL_SLICE_MS):
-                msg = self._decode(self._in.recv())
+            if (msg := self._poll_in(_POLL_SLICE_MS)) is not None:
                 if isinstance(msg, ModelRunnerOutput):
                     if msg.step_id != step_id:
                         raise WorkerFailure(f"worker rank 0 answered step {msg.step_id}, expected {step_id}")
@@ -175,6 +172,17 @@ class WorkerGroup:
         if any(p.poll() is not None for p in self.procs) or (self._links is not None and self._links.check()):
             self._raise_failure()
 
+    def _poll_in(self, timeout_ms: int) -> WorkerToEngine | None:
+        """The ranks' next message, waiting up to ``timeout_ms``; None if none came. (Not a blocking
+        recv after a poll: a link that drops between them can take back the message the poll saw,
+        and the recv then waited forever.)"""
+        if not self._in.poll(timeout_ms):
+            return None
+        try:
+            return self._decode(self._in.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return None
+
     def _send(self, msg: EngineToWorker) -> None:
         self._out.send(self._encode(msg), copy=False)
 
@@ -182,8 +190,7 @@ class WorkerGroup:
         """Collect every rank's root cause for a short grace period, then raise one message."""
         deadline = time.monotonic() + _ERROR_GRACE_S
         while time.monotonic() < deadline:
-            if self._in.poll(50):
-                msg = self._decode(self._in.recv())
+            if (msg := self._poll_in(50)) is not None:
                 if isinstance(msg, WorkerError):
                     self._errors[msg.rank] = msg
             elif all(p.poll() is not None for p in self.procs) and (self._links is None or self._links.check()):

@@ -7,6 +7,13 @@ engine-core (server) and one for the workers (clients). The secret itself never 
 a ZMQ CURVE handshake proves that both ends hold keys only the secret yields (the engine-core also
 checks the client's public key through ZAP, so a peer without the secret fails the handshake), and
 everything after it is encrypted. This is CURVE keyed by a shared secret, not per-host key pairs.
+
+A link ends when its peer's host is gone, not when its process is slow (``watch_peer_host``): the
+kernel's TCP keepalive probes, which a paused process's kernel still answers, and a bound on how long
+sent data may stay unacknowledged. (ZMQ's heartbeats are answered by the peer's process: a
+SIGSTOPped engine-core dropped every worker link after 5 s, and the steps it published while the
+workers resubscribed were lost to them, hanging the next step.) A slow process is the step
+watchdog's to judge (``--step-timeout``), on one host or many.
 """
 
 from __future__ import annotations
@@ -20,6 +27,10 @@ from zmq.utils import z85
 
 SECRET_ENV = "EVENFLOW_DIST_SECRET"
 MIN_SECRET_BYTES = 16
+KEEPALIVE_IDLE_S = 5  # an idle link is probed after this long ...
+KEEPALIVE_INTERVAL_S = 1  # ... this often ...
+KEEPALIVE_PROBES = 5  # ... and ends after this many unanswered probes (a dead host: ~10 s)
+UNACKED_LIMIT_MS = 10_000  # data sent and not acknowledged this long ends the link too
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,7 @@ def secure_server(sock: zmq.Socket, keys: LinkKeys) -> None:
     sock.curve_secretkey = keys.server_secret
     sock.curve_publickey = keys.server_public
     sock.zap_domain = b"evenflow-workers"
+    watch_peer_host(sock)
 
 
 def secure_client(sock: zmq.Socket, keys: LinkKeys) -> None:
@@ -73,3 +85,13 @@ def secure_client(sock: zmq.Socket, keys: LinkKeys) -> None:
     sock.curve_serverkey = keys.server_public
     sock.curve_publickey = keys.client_public
     sock.curve_secretkey = keys.client_secret
+    watch_peer_host(sock)
+
+
+def watch_peer_host(sock: zmq.Socket) -> None:
+    """End the socket's TCP connections when the peer's host stops answering (module docstring)."""
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
+    sock.setsockopt(zmq.TCP_MAXRT, UNACKED_LIMIT_MS)

@@ -44,7 +44,7 @@ from evenflow.worker.omp_env import quiet_omp_waits
 log = logging.getLogger("evenflow.worker.process")
 
 _PARENT_POLL_S = 0.5
-LINK_GRACE_S = 5.0  # a step link down this long is lost: the heartbeat's timeout (evenflow/core/multi_node.py)
+LINK_GRACE_S = 5.0  # a step link down this long is lost (ZMQ reconnects a link whose peer is alive)
 
 
 def watch_parent(parent_pid: int) -> None:
@@ -66,12 +66,10 @@ class StepTracker:
 
 
 def connect(ctx: zmq.Context, kind: int, address: str, cfg: WorkerConfig) -> zmq.Socket:
-    """A socket to the engine-core; over TCP to another host it is a CURVE client with heartbeats."""
+    """A socket to the engine-core; over TCP to another host it is a CURVE client watching the host."""
     sock = ctx.socket(kind)
     if cfg.secure_link:
         secure_client(sock, derive_link_keys(os.environ.get(SECRET_ENV, "").encode()))
-        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
     sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, b"")

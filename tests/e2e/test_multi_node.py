@@ -1,16 +1,20 @@
 """Tensor parallel across two "hosts" on loopback: an engine-core with rank 0 and a headless
 launcher with rank 1, joined through torch.distributed and the secured TCP links. Greedy outputs
 equal tensor parallel 1 and transformers; killing the second host ends the engine-core with the
-cause, which the client hears; killing the engine-core ends the headless host."""
+cause, which the client hears; pausing either host (SIGSTOP) is a slow step that loses no token;
+killing the engine-core ends the headless host."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
 from evenflow.frontend.clients.engine_client import BlockingEngineClient, EngineError
@@ -24,6 +28,7 @@ pytestmark = pytest.mark.slow
 FLAGS = ("--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
          "--num-kv-blocks", "64", "--worker-threads", "1")
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 33, 9, 100, 4, 8], list(range(1, 40))]
 
 
@@ -77,7 +82,7 @@ def test_two_hosts_match_tp1_and_a_lost_host_stops_the_engine(tiny_llama: Path, 
         host1_log.close()
 
 
-def test_a_headless_host_leaves_when_the_engine_core_is_gone(tiny_llama: Path, tmp_path: Path,
+def test_paused_hosts_lose_nothing_and_a_headless_host_leaves_when_the_engine_core_is_gone(tiny_llama: Path, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SECRET_ENV, "loopback-test-secret-0123456789")
     port = _port_base()
@@ -90,6 +95,23 @@ def test_a_headless_host_leaves_when_the_engine_core_is_gone(tiny_llama: Path, t
     host0 = None
     try:
         host0 = start_engine(tiny_llama, tmp_path, *FLAGS, *nodes, "--node-rank", "0", name="host0")
+        client = BlockingEngineClient(host0.address, "paused")
+        client.connect(timeout=10)
+        # Stalls are not deaths across hosts: the engine-core, then the headless host's worker, paused
+        # mid-stream for 6 s, past the link's grace (ZMQ's heartbeats, answered by the process, dropped
+        # the links after 5 s and the steps published meanwhile were lost: a hang).
+        headless_worker = psutil.Process(host1.pid).children(recursive=True)[0].pid
+        for pid in (host0.proc.pid, headless_worker):
+            tokens: list[int] = []
+            for out in client.generate(f"paused-{pid}", PROMPTS[1], LONG):
+                if not tokens:
+                    os.kill(pid, signal.SIGSTOP)
+                    threading.Timer(6.0, os.kill, (pid, signal.SIGCONT)).start()
+                tokens += out.new_token_ids
+            assert tokens == reference_greedy(tiny_llama, PROMPTS[1], LONG.max_tokens)
+            assert host1.poll() is None
+        assert "lost" not in host0.log()
+        client.close()
         host0.proc.send_signal(signal.SIGKILL)  # its worker follows it (it dies with its parent)
         host0.proc.wait()
         # The link stays down past the grace (LinkState): the headless rank, then its launcher, exit.

@@ -93,6 +93,11 @@ class EngineLoop:
         if self._pending_preempted:
             so.preempted_req_ids = self._pending_preempted + list(so.preempted_req_ids)
             self._pending_preempted = []
+        if so.finished_req_ids and so.preempted_req_ids:
+            # A request preempted by a step the workers never got, then finished by the step in flight
+            # before it (its last token), is only finished for them.
+            finished = set(so.finished_req_ids)
+            so.preempted_req_ids = [r for r in so.preempted_req_ids if r not in finished]
         self.executor.send_step(so)
         self._in_flight.append(_InFlight(so, after_idle=self._was_idle and not self._in_flight))
         self._was_idle = False

@@ -125,3 +125,20 @@ def test_random_workloads_with_drafts(workload: tuple[SchedulerConfig, list[Plan
     """Budget, blocks and tokens stay exact when decodes carry drafts that are partly rejected."""
     config, plan = workload
     check_against_reference(config, plan, max_in_flight=max_in_flight)
+
+
+def test_a_request_preempted_by_an_unsent_step_and_finished_by_the_step_in_flight() -> None:
+    """Found by the search above: with two steps in flight, req-6 is preempted (for req-8, priority
+    policy) by a step with nothing to run, so its preemption waits for the next step sent, and the step
+    in flight before it samples req-6's last token. The workers must hear it finished, not also
+    preempted (the fake worker, strict, failed on its dropped block table)."""
+    config = SchedulerConfig(num_kv_blocks=53, max_num_batched_tokens=5, max_num_seqs=3, max_model_len=31,
+                             block_size=1, policy="priority", enable_prefix_caching=False)
+    short = [19, 6, 7, 0]
+    spec = [("req-0", short[:3] + [0] * 10, 18, 1, None), ("req-1", short, 1, 0, None),
+            *[(f"req-{i}", short, 1, 0, 0) for i in range(2, 6)],
+            ("req-6", [19, 6, 7, 11, 22, 43, 1], 18, 1, None), ("req-7", short, 1, 0, None),
+            ("req-8", short, 10, 1, None)]
+    plan = [PlannedRequest(rid, prompt, SamplingParams(max_tokens=n, temperature=0.0), 0, priority, abort)
+            for rid, prompt, n, priority, abort in spec]
+    check_against_reference(config, plan, max_in_flight=2)

@@ -4,7 +4,8 @@
 - ``evenflow-f32``, ``evenflow-bf16``: evenflow on the GGUF file (``--gguf``) dequantized to that
   dtype (``--quantization none``); ``evenflow-int4``: evenflow on the GGUF with its default flags
   (``--dtype auto``: the Q4 projections through the int4 kernel where the start-up plan finds it
-  faster).
+  faster); ``evenflow-int4-auto``: the same with the derived target (``--target-itl-ms auto``, the
+  budget its ceiling), the default issue 27 weighs.
 - ``vllm``: vLLM's CPU build on the HF folder made from the same GGUF (``--vllm-dtype``).
 - ``llama.cpp``: ``llama-server`` (``--llama-server``) on the very same GGUF: one slot per stream
   that can be in flight, one KV buffer shared by all slots holding as many tokens as the other
@@ -26,7 +27,8 @@ from evenflow.bench.server import ServerConfig, ServerSpec, free_port, template_
 
 GGUF_EVENFLOW = {"evenflow-f32": ["--dtype", "float32", "--quantization", "none"],
                  "evenflow-bf16": ["--dtype", "bfloat16", "--quantization", "none"],
-                 "evenflow-int4": ["--dtype", "auto"]}
+                 "evenflow-int4": ["--dtype", "auto"],
+                 "evenflow-int4-auto": ["--dtype", "auto", "--target-itl-ms", "auto"]}
 ENGINES = ("evenflow", "vllm", *GGUF_EVENFLOW, "llama.cpp")
 DEFAULT_LLAMA_SERVER = Path("/work/peers/llama/build/bin/llama-server")
 

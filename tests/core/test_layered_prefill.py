@@ -10,7 +10,7 @@ from evenflow.core.component_configs import layered_prefill_layers
 from evenflow.core.engine_config import EngineConfig
 from evenflow.core.request import Request
 from evenflow.core.sched.config import ConfigError, SchedulerConfig
-from evenflow.core.sched.layered_prefill import LayerPrice, may_layer, price_key
+from evenflow.core.sched.layered_prefill import CLIMB_SEATS, LayerPrice, may_layer, price_key
 from evenflow.core.sched.scheduler import Scheduler
 from evenflow.core.sched.step_time_model import shape_of_step
 from evenflow.protocol import ModelRunnerOutput, SamplingParams
@@ -30,33 +30,42 @@ def scheduler_with_streams(target_itl_ms: float = 30.0, num_layers: int = LAYERS
 
 
 def test_a_long_prompt_beside_streams_climbs_the_layers_within_the_target() -> None:
+    """Its groups run in consecutive spans within the target; a long prompt behind it waits, a short
+    one arriving mid-climb takes one step between two groups."""
     scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
     for _ in range(60):  # the fit learns the machine on the streams' steps and floor chunks
         run_step(scheduler, machine)
     add(scheduler, "long", 2000)
-    add(scheduler, "behind", 300)
-    spans, seconds = [], []
+    add(scheduler, "long-behind", 1500)
+    spans, seconds, kinds = [], [], []
     counted = scheduler.get_stats().scheduler.num_scheduled_tokens
     while "long" in scheduler.requests and scheduler.requests["long"].num_output_tokens == 0:
+        if len(spans) == 2 and "short" not in scheduler.requests:
+            add(scheduler, "short", 40)  # arrives mid-climb: one step between two groups, whole
         output, step_s = run_step(scheduler, machine)
         counted += output.total_num_scheduled_tokens - output.num_scheduled_tokens.get("long", 0)
+        assert "long-behind" not in output.num_scheduled_tokens  # a long prompt waits for the climb
+        seconds.append(step_s)
         if "long" in output.layer_spans:
+            kinds.append("group")
             spans.append(output.layer_spans["long"])
-            seconds.append(step_s)
             last = spans[-1][1] == LAYERS
             assert scheduler.requests["long"].num_computed_tokens == (2000 if last else 0)
             assert scheduler.kv_cache_manager.num_cached_blocks["long"] == (2000 // 16 if last else 0)
-            assert "behind" not in output.num_scheduled_tokens  # the climbing prompt has the step's prompt room
-            assert all(n == 1 for r, n in output.num_scheduled_tokens.items() if r != "long")
+            assert all(n == 1 for r, n in output.num_scheduled_tokens.items() if r != "long")  # its room alone
+        elif output.num_scheduled_tokens.get("short", 0) > 1:
+            kinds.append("short")
+            assert output.num_scheduled_tokens["short"] == 40
+    assert kinds.count("short") == 1 and kinds[kinds.index("short") + 1] == "group"
     assert spans[0][0] == 0 and spans[-1][1] == LAYERS
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     assert 2 <= len(spans) < LAYERS  # several layers a step once the price of one is measured
     assert max(seconds) <= 30e-3 * 1.001  # a linear machine is predicted exactly: every step within the target
     assert scheduler.get_stats().scheduler.num_scheduled_tokens == counted + 2000  # its groups add up to its tokens
-    run_step(scheduler, machine)
-    assert scheduler.requests["behind"].num_computed_tokens > 0  # its turn came
     counts = scheduler.get_stats().scheduler
     assert (counts.num_layered_prefills, counts.num_layer_group_steps) == (1, len(spans))
+    output, _ = run_step(scheduler, machine)
+    assert "long-behind" in output.layer_spans  # its turn came: it climbs next
 
 
 
@@ -179,3 +188,33 @@ def test_a_last_group_of_fewer_layers_keeps_the_price_of_a_layer() -> None:
     assert any(n < LAYERS // 2 for n in last_spans), last_spans  # a short last group ran
     assert first_spans[0] == 1 and first_spans[1] > 1, first_spans  # a new shape probes one layer, then is priced
     assert all(abs(e - 1) < 0.05 for e in errors[1] + errors[2]), errors  # a linear machine, measured groups
+
+
+def test_streams_started_mid_climb_leave_the_climb_its_room_in_the_budget() -> None:
+    """A prompt as long as the budget left beside the streams climbs all but ``CLIMB_SEATS`` of it; a
+    short prompt arriving before each group goes whole between two groups and then decodes beside
+    them, and every group still fits the token budget: the climb never waits two steps in a row (sized
+    to the whole budget, it waited for the new streams to finish, ~4 s served). Its last tokens go in
+    a chunk after it."""
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
+    for _ in range(60):
+        run_step(scheduler, machine)
+    budget = scheduler.config.max_num_batched_tokens
+    add(scheduler, "long", budget - 8)  # the 8 streams take the rest of the first step's budget
+    kinds: list[str] = []
+    while "long" in scheduler.requests and scheduler.requests["long"].num_output_tokens == 0:
+        if not kinds or kinds[-1] == "group":
+            add(scheduler, f"short-{len(kinds)}", 24, max_tokens=1000)
+        output, _ = run_step(scheduler, machine)
+        assert output.total_num_scheduled_tokens <= budget
+        if "long" in output.layer_spans:
+            kinds.append("group")
+            assert output.num_scheduled_tokens["long"] == budget - 8 - CLIMB_SEATS
+        elif "long" in output.num_scheduled_tokens:
+            kinds.append("rest")
+            assert output.num_scheduled_tokens["long"] == CLIMB_SEATS  # its last tokens, a chunk
+        else:
+            kinds.append("short" if any(n == 24 for n in output.num_scheduled_tokens.values()) else "other")
+    climb = kinds[:kinds.index("rest")]
+    assert climb.count("group") >= 2 and climb.count("short") >= 1
+    assert "other" not in climb and all(a != b for a, b in zip(climb, climb[1:]))  # groups and shorts alternate

@@ -109,7 +109,8 @@ def _layered_jobs() -> list[Job]:
     streams = [Job(f"s{i}", [3 + i, 9, 27, 81, 200 - i], 60) for i in range(3)]
     prompts = [Job("long", [(7 * t + 5) % 250 + 1 for t in range(70)], 6, arrive_step=12),
                Job("again", [(7 * t + 5) % 250 + 1 for t in range(70)] + [9, 9], 4, arrive_step=40),
-               Job("later", [(11 * t + 2) % 250 + 1 for t in range(45)], 5, arrive_step=16)]
+               Job("later", [(11 * t + 2) % 250 + 1 for t in range(45)], 5, arrive_step=16),
+               Job("short", [17, 4, 99, 23, 5], 5, arrive_step=13)]
     return streams + prompts
 
 
@@ -117,8 +118,9 @@ def _layered_jobs() -> list[Job]:
 def test_prompts_climb_the_layers_beside_streams_and_give_the_reference_tokens(five_layers: Path, overlap: bool,
                                                                               layers_preferred: None) -> None:
     """Under a target no step can meet, a prompt beside the streams after the controller's warm-up goes
-    by layer groups, as many as the fit allows; a later prompt waits for the one climbing; one sharing
-    the first prompt's blocks hits them, offered once all layers wrote them."""
+    by layer groups, as many as the fit allows; a later prompt waits for the one climbing, but for a
+    short one, which goes whole between two groups; one sharing the first prompt's blocks hits them,
+    offered once all layers wrote them."""
     runner = make_runner(five_layers, num_blocks=128, block_size=4)
     jobs = _layered_jobs()
     result = run_jobs(runner, jobs, num_blocks=128, budget=256, overlap=overlap,
@@ -133,6 +135,9 @@ def test_prompts_climb_the_layers_beside_streams_and_give_the_reference_tokens(f
         theirs = [span for r, span in spans if r == req]
         assert theirs[0][0] == 0 and theirs[-1][1] == LAYERS
         assert all(a[1] == b[0] for a, b in zip(theirs, theirs[1:]))
+    short_step = next(i for i, so in enumerate(result.steps) if so.num_scheduled_tokens.get("short", 0) == 5)
+    long_steps = [i for i, so in enumerate(result.steps) if "long" in so.layer_spans]
+    assert long_steps[0] < short_step < long_steps[-1]  # the short prompt went whole between two of its groups
     for so in result.steps:  # a layered group has the step's prompt room to itself
         if so.layer_spans:
             (req,) = so.layer_spans

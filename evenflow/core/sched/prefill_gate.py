@@ -80,6 +80,8 @@ class PrefillGate:
         self.prefill_tokens = 0
         self.chunks: list[tuple[int, int]] = []  # (new tokens, computed before), for the step-time model
         self.chunk_share = 1.0  # of the layers the chunks run through (a layered prefill's group)
+        self.whole_only = False  # only prompts that finish within the allowance (whole_prompts_only) ...
+        self.seats = 0  # ... and this many of them
         if self.bounded:
             schedulable = max(1, min(max_partial, survey.prefills + num_waiting))
             self.chunk_cap = max(1, allowance // schedulable)
@@ -89,9 +91,11 @@ class PrefillGate:
     def _is_long(self, left: int) -> bool:
         return 0 < self.long_threshold < left
 
-    def long_slot_full(self, request: Request, num_computed: int) -> bool:
-        """A long prompt refused only because the long slots are taken (skip it, admit others)."""
-        return self.bounded and self._is_long(request.num_tokens - num_computed) and self.num_long >= self.max_long
+    def lets_others_pass(self, request: Request, num_computed: int) -> bool:
+        """A prompt refused only for this step, so shorter ones behind it may go (it keeps its place):
+        the long slots are taken, or only short prompts go beside a climb (``whole_prompts_only``)."""
+        return self.whole_only or (self.bounded and self._is_long(request.num_tokens - num_computed)
+                                   and self.num_long >= self.max_long)
 
     def limit(self, request: Request, num_computed: int, num_new: int) -> int:
         """``num_new`` cut to what this step lets the request's prefill take (0: nothing)."""
@@ -100,6 +104,8 @@ class PrefillGate:
             return num_new  # a decode: never limited
         if self.bounded and (self.num_prefills >= self.max_partial
                              or (self._is_long(left) and self.num_long >= self.max_long)):
+            return 0
+        if self.whole_only and (num_new < left or num_new > self.allowance_left or self.num_prefills >= self.seats):
             return 0
         cap = self.allowance_left if self.allowance_left < self.chunk_cap else self.chunk_cap
         return num_new if num_new < cap else max(cap, 0)
@@ -120,6 +126,13 @@ class PrefillGate:
         """No prompt chunk in this step (a prompt prefilled by layer groups takes its room)."""
         self.allowance_left = 0
 
+    def whole_prompts_only(self, seats: int) -> None:
+        """Only prompts whose rest fits the allowance whole, ``seats`` of them at most (short ones that
+        arrived while a prompt climbs the layers: they go in one step, the climb's next group in the
+        step after, and each then decodes beside the groups, a token a step)."""
+        self.whole_only = True
+        self.seats = seats
+
     def commit_layer_group(self, num_new: int, num_computed: int, share: float) -> None:
         """Count a layered prefill's step: its chunk through ``share`` of the layers, and no other."""
         self.chunks = [(num_new, num_computed)]
@@ -137,7 +150,7 @@ class OpenPrefillGate(PrefillGate):
     def __init__(self) -> None:
         super().__init__(0, 1, 1, 0, RunningSurvey(), 0)
 
-    def long_slot_full(self, request: Request, num_computed: int) -> bool:
+    def lets_others_pass(self, request: Request, num_computed: int) -> bool:
         return False
 
     def limit(self, request: Request, num_computed: int, num_new: int) -> int:

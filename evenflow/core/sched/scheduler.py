@@ -30,7 +30,7 @@ from evenflow.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 
 from evenflow.core.kv.block_pool import KVBlock
 from evenflow.core.kv.manager import ComputedBlocks
-from evenflow.core.sched.layered_prefill import LayeredPrefill, group_tokens, may_layer
+from evenflow.core.sched.layered_prefill import CLIMB_SEATS, LayeredPrefill, group_tokens, may_layer
 from evenflow.core.sched.prefill_gate import PrefillGate
 from evenflow.core.sched.step_plan import StepPlan
 from evenflow.core.request import Request, RequestStatus
@@ -65,8 +65,14 @@ class Scheduler(RequestLedger):
         controller = self.budget_controller
         gate = PrefillGate.for_step(config, self._long_threshold, self.running, len(self.waiting),
                                     None if controller is None else controller.prefill_allowance)
-        if self._layered is not None and not gate.is_open:
-            gate.close()  # the prompt climbing the layers takes the step's prompt room
+        if self._layered is not None and not gate.is_open:  # the prompt climbing the layers has the room ...
+            # ... but for short prompts, every other step at most, while its groups keep their room in
+            # the token budget beside the streams they start (layered_prefill.py)
+            seats = config.max_num_batched_tokens - self._layered.num_tokens - (len(self.running) - 1)
+            if self._layered.yielded or seats <= 0:
+                gate.close()
+            else:
+                gate.whole_prompts_only(seats)
         return StepPlan(step_id=step_id, token_budget=config.max_num_batched_tokens, gate=gate,
                         num_running_at_start=len(self.running))
 
@@ -172,7 +178,7 @@ class Scheduler(RequestLedger):
             num_new = self._clamp(request.num_tokens - num_computed, num_computed, token_budget)
             num_new = gate.limit(request, num_computed, num_new)
             if num_new <= 0:
-                if gate.long_slot_full(request, num_computed):
+                if gate.lets_others_pass(request, num_computed):
                     skipped.append(waiting.pop())  # shorter prompts behind it may go
                     continue
                 break
@@ -206,8 +212,9 @@ class Scheduler(RequestLedger):
                 and controller.prefers_layers(gate.survey, num_new, num_computed, self.config.num_layers))
 
     def _layered_chunk(self, request: Request, num_computed: int, token_budget: int) -> int:
-        """The tokens a layered prefill of ``request`` takes: all it has left, as far as the step holds."""
-        return self._clamp(request.num_tokens - num_computed, num_computed, token_budget)
+        """The tokens a layered prefill of ``request`` takes: all it has left, as far as the step holds
+        less ``CLIMB_SEATS`` (room for the streams short prompts may start while it climbs)."""
+        return self._clamp(request.num_tokens - num_computed, num_computed, max(token_budget - CLIMB_SEATS, 2))
 
     def _start_running_layered(self, step: StepPlan, request: Request, token_budget: int) -> bool:
         """A running request mid-prompt (resumed, or chunked before streams were decoding) continues by
@@ -229,7 +236,8 @@ class Scheduler(RequestLedger):
         layered = self._layered
         assert layered is not None and self.budget_controller is not None  # layered only under the controller
         request = layered.request
-        if layered.num_tokens > step.token_budget or request.held:
+        layered.yielded = step.gate.prefill_tokens > 0  # short prompts took this step's room
+        if layered.yielded or layered.num_tokens > step.token_budget or request.held:
             return
         num_layers = self.config.num_layers
         layers = self.budget_controller.layer_group(step.gate.survey, layered.num_tokens, layered.num_computed,

@@ -74,6 +74,44 @@ def test_engine_core_paused_past_its_client_timeout_loses_no_stream(tiny_llama: 
         engine.stop()
 
 
+def test_a_stream_failed_past_the_engine_timeout_is_aborted_when_the_engine_core_wakes(tiny_llama: Path,
+                                                                                      tmp_path: Path) -> None:
+    # The client cannot tell a pause past --engine-timeout from a hang: it fails the stream. The paused
+    # engine-core, woken, must not run that request on to its max_tokens for nobody (it used to: all
+    # 200 tokens, its seat and KV held); the client aborts what it hears of it, and serves on.
+    engine = start_engine(tiny_llama, tmp_path, *FLAGS)
+    reference = reference_greedy(tiny_llama, [6, 2, 8], 12)
+
+    async def main() -> None:
+        client = EngineClient(engine.address, "impatient", engine_timeout=1.0)
+        await client.connect(timeout=30)
+        got, paused = 0, False
+        with pytest.raises(EngineError) as info:
+            async for out in client.generate("orphan", [5, 9, 2], SamplingParams(max_tokens=200, **GREEDY)):
+                got += len(out.new_token_ids)
+                if got >= 5 and not paused:
+                    paused = True
+                    os.kill(engine.proc.pid, signal.SIGSTOP)
+                    asyncio.get_running_loop().call_later(3.0, os.kill, engine.proc.pid, signal.SIGCONT)
+        assert info.value.code == "engine_dead"
+        deadline = time.monotonic() + 30
+        while not client.connected and time.monotonic() < deadline:  # it answers again once woken
+            await asyncio.sleep(0.05)
+        tokens: list[int] = []
+        async for out in client.generate("after", [6, 2, 8], SamplingParams(max_tokens=12, **GREEDY)):
+            tokens += out.new_token_ids
+        assert tokens == reference
+        stats = (await client.call_utility("get_stats")).result.scheduler
+        assert stats.num_running == 0 and stats.num_generation_tokens < 200 // 2, stats
+        await client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        os.kill(engine.proc.pid, signal.SIGCONT)
+        engine.stop()
+
+
 def test_killed_engine_core_is_noticed_in_milliseconds(tiny_llama: Path, tmp_path: Path) -> None:
     engine = start_engine(tiny_llama, tmp_path, *FLAGS)
 

@@ -168,15 +168,23 @@ class EngineConnection:
             if isinstance(msg, Outputs):
                 if msg.stats is not None:
                     self.stats = msg.stats
+                orphans = []
                 for out in msg.outputs:
                     stream = self._streams.get(out.request_id)
-                    if stream is not None and not stream.reader.gave_up:
+                    if stream is None:
+                        # Nobody reads it: a stream failed while the engine-core was silent past
+                        # --engine-timeout (paused, not dead) runs on there. Abort it: its KV is freed.
+                        if out.finish_reason is None:
+                            orphans.append(out.request_id)
+                    elif not stream.reader.gave_up:
                         stream.got_output = True
                         stream.queue.put_nowait(out)
                         if should_hold(stream.reader, stream.queue.qsize()):
                             stream.reader.held_since = self._clock.now()
                             self.holds += 1
                             self._send(Hold([out.request_id], True))
+                if orphans:
+                    self._send(Abort(orphans))
                 if self.on_outputs is not None:
                     self.on_outputs(msg)
             elif isinstance(msg, Error):

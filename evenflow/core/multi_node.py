@@ -10,7 +10,7 @@ and as CURVE servers keyed by the hosts' shared secret (evenflow/protocol/link_a
 A host that dies (its launcher killed, the machine gone) drops its TCP connections. Only a peer
 that passed the CURVE handshake can subscribe to the step broadcast, and with XPUB_VERBOSER the
 engine-core hears an unsubscription whenever such a subscriber's connection ends: that is a lost
-host, treated as a lost worker (TCP keepalive ends the link of a host that stops answering within
+host, treated as a lost worker (TCP keepalive ends an idle link to a host that stops answering within
 ~10 s; a paused process is a slow step: link_auth.py). A stranger failing the handshake never
 subscribed, so it cannot fake one.
 """

@@ -9,11 +9,13 @@ checks the client's public key through ZAP, so a peer without the secret fails t
 everything after it is encrypted. This is CURVE keyed by a shared secret, not per-host key pairs.
 
 A link ends when its peer's host is gone, not when its process is slow (``watch_peer_host``): the
-kernel's TCP keepalive probes, which a paused process's kernel still answers, and a bound on how long
-sent data may stay unacknowledged. (ZMQ's heartbeats are answered by the peer's process: a
-SIGSTOPped engine-core dropped every worker link after 5 s, and the steps it published while the
-workers resubscribed were lost to them, hanging the next step.) A slow process is the step
-watchdog's to judge (``--step-timeout``), on one host or many.
+kernel's TCP keepalive probes, which a paused process's kernel still answers. (ZMQ's heartbeats are
+answered by the peer's process: a SIGSTOPped engine-core dropped every worker link after 5 s, and
+the steps it published while the workers resubscribed were lost to them, hanging the next step. No
+bound on unacknowledged data either: Linux's TCP_USER_TIMEOUT also ends a link whose paused peer's
+receive buffer is full.) Keepalive probes only an idle link: a host that dies with a step sent to it
+is noticed by the step watchdog (``--step-timeout``), which judges a slow process too, on one host or
+many.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ MIN_SECRET_BYTES = 16
 KEEPALIVE_IDLE_S = 5  # an idle link is probed after this long ...
 KEEPALIVE_INTERVAL_S = 1  # ... this often ...
 KEEPALIVE_PROBES = 5  # ... and ends after this many unanswered probes (a dead host: ~10 s)
-UNACKED_LIMIT_MS = 10_000  # data sent and not acknowledged this long ends the link too
 
 
 @dataclass(frozen=True)
@@ -94,4 +95,3 @@ def watch_peer_host(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
     sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
     sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
-    sock.setsockopt(zmq.TCP_MAXRT, UNACKED_LIMIT_MS)

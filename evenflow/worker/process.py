@@ -107,14 +107,18 @@ class EngineWatch:
         self._endpoint = ""
 
     def recv(self, sub: zmq.Socket) -> zmq.Frame:
-        while not sub.poll(250):
+        while True:
+            if sub.poll(250):
+                try:  # not a blocking recv: a link that drops after the poll can take its message back
+                    return sub.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    pass
             while self._monitor.poll(0):
                 event = recv_monitor_message(self._monitor)
                 self._state.note(event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED, time.monotonic())
                 self._endpoint = event["endpoint"].decode(errors="replace")
             if self._state.lost(time.monotonic()):
                 raise ConnectionError(f"lost the engine-core at {self._endpoint}")
-        return sub.recv(copy=False)
 
     def close(self) -> None:
         self._monitor.close(0)

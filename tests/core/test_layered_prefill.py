@@ -218,3 +218,19 @@ def test_streams_started_mid_climb_leave_the_climb_its_room_in_the_budget() -> N
     climb = kinds[:kinds.index("rest")]
     assert climb.count("group") >= 2 and climb.count("short") >= 1
     assert "other" not in climb and all(a != b for a, b in zip(climb, climb[1:]))  # groups and shorts alternate
+
+
+def test_beside_a_climb_a_prompt_goes_whole_or_not_at_all_under_the_partial_prefill_cap() -> None:
+    """With vLLM V0's partial-prefill bounds on, a chunk is capped at the allowance split over the
+    prefills; a short prompt beside a climb is refused rather than cut by that cap (cut, its first token
+    took two more steps and the climb gave up another)."""
+    from evenflow.core.sched.prefill_gate import PrefillGate, RunningSurvey
+
+    survey = RunningSurvey(decodes=8, prefills=1)  # the climbing prompt is the running prefill
+    gate = PrefillGate(192, 2, 1, 3000, survey, num_waiting=1)
+    gate.whole_prompts_only(seats=4)
+    short = Request("short", list(range(1, 151)), SamplingParams(max_tokens=4))
+    assert gate.chunk_cap == 96
+    assert gate.limit(short, 0, 150) == 0 and gate.lets_others_pass(short, 0)
+    fits = Request("fits", list(range(1, 81)), SamplingParams(max_tokens=4))
+    assert gate.limit(fits, 0, 80) == 80

@@ -105,9 +105,9 @@ class PrefillGate:
         if self.bounded and (self.num_prefills >= self.max_partial
                              or (self._is_long(left) and self.num_long >= self.max_long)):
             return 0
-        if self.whole_only and (num_new < left or num_new > self.allowance_left or self.num_prefills >= self.seats):
-            return 0
         cap = self.allowance_left if self.allowance_left < self.chunk_cap else self.chunk_cap
+        if self.whole_only and (num_new < left or num_new > cap or self.num_prefills >= self.seats):
+            return 0
         return num_new if num_new < cap else max(cap, 0)
 
     def commit(self, request: Request, num_computed: int, num_new: int) -> None:

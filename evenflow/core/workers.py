@@ -33,6 +33,7 @@ from evenflow.protocol import (
     WorkerReady, WorkerShutdown, WorkerToEngine,
 )
 from evenflow.protocol.lifeline import child_env, runtime_dir
+from evenflow.protocol.liveness import recv_ready
 
 from evenflow.core.multi_node import NodeLayout, SecuredLinks
 from evenflow.core.step_watchdog import StepWatchdog
@@ -173,15 +174,9 @@ class WorkerGroup:
             self._raise_failure()
 
     def _poll_in(self, timeout_ms: int) -> WorkerToEngine | None:
-        """The ranks' next message, waiting up to ``timeout_ms``; None if none came. (Not a blocking
-        recv after a poll: a link that drops between them can take back the message the poll saw,
-        and the recv then waited forever.)"""
-        if not self._in.poll(timeout_ms):
-            return None
-        try:
-            return self._decode(self._in.recv(zmq.NOBLOCK))
-        except zmq.Again:
-            return None
+        """The ranks' next message, waiting up to ``timeout_ms``; None if none came."""
+        frame = recv_ready(self._in, timeout_ms)
+        return None if frame is None else self._decode(frame.buffer)
 
     def _send(self, msg: EngineToWorker) -> None:
         self._out.send(self._encode(msg), copy=False)

@@ -6,11 +6,16 @@ own pause as the peer's silence: on waking, what the peer sent meanwhile is stil
 a loop that observes it every ``tick`` seconds sees a gap far larger than that only when it did not
 run. Real death is noticed another way (a ZMQ disconnect event, a process sentinel), in
 milliseconds; the silence timeouts are for hangs and partitions, so they default to tens of seconds.
+A socket is read with ``recv_ready``, never a blocking recv after a poll: a link that drops between
+the two can take back the message the poll saw, and the recv then waits forever (a two-host engine
+did, with its worker links' ZMQ heartbeats on).
 """
 
 from __future__ import annotations
 
 import time
+
+import zmq
 
 # Defaults of the silence timeouts (the engine's --client-timeout, the frontend's --engine-timeout).
 DEFAULT_SILENCE_TIMEOUT_S = 30.0
@@ -37,3 +42,13 @@ class RunningClock:
             step = self.max_step
         self._running += step
         return self._running
+
+
+def recv_ready(sock: zmq.Socket, timeout_ms: int) -> zmq.Frame | None:
+    """The socket's next message, waiting up to ``timeout_ms``; None if none came (module docstring)."""
+    if not sock.poll(timeout_ms):
+        return None
+    try:
+        return sock.recv(zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return None

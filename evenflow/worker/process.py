@@ -37,6 +37,7 @@ from evenflow.protocol import (
 from evenflow.protocol.link_auth import SECRET_ENV, derive_link_keys, secure_client
 
 from evenflow.protocol.lifeline import die_with_parent
+from evenflow.protocol.liveness import recv_ready
 
 from evenflow.worker.fault_injection import FaultInjector
 from evenflow.worker.omp_env import quiet_omp_waits
@@ -108,11 +109,9 @@ class EngineWatch:
 
     def recv(self, sub: zmq.Socket) -> zmq.Frame:
         while True:
-            if sub.poll(250):
-                try:  # not a blocking recv: a link that drops after the poll can take its message back
-                    return sub.recv(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    pass
+            frame = recv_ready(sub, 250)
+            if frame is not None:
+                return frame
             while self._monitor.poll(0):
                 event = recv_monitor_message(self._monitor)
                 self._state.note(event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED, time.monotonic())

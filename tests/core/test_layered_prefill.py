@@ -234,3 +234,29 @@ def test_beside_a_climb_a_prompt_goes_whole_or_not_at_all_under_the_partial_pref
     assert gate.limit(short, 0, 150) == 0 and gate.lets_others_pass(short, 0)
     fits = Request("fits", list(range(1, 81)), SamplingParams(max_tokens=4))
     assert gate.limit(fits, 0, 80) == 80
+
+
+def test_a_climb_first_in_the_running_order_leaves_room_for_every_stream_behind_it() -> None:
+    """Under the priority policy a high-priority prompt runs ahead of 40 streams: its climb's chunk is
+    sized to what their decodes leave (sized to the budget left at its place in the order, the whole
+    budget, it never fitted beside them and every step went to the streams alone, until they ended)."""
+    scheduler = Scheduler(SchedulerConfig(num_kv_blocks=4096, max_num_batched_tokens=2048, max_model_len=8192,
+                                          max_num_seqs=64, target_itl_ms=30.0, num_layers=LAYERS, policy="priority"))
+    machine = SyntheticMachine(num_layers=LAYERS)
+    for i in range(40):
+        scheduler.add_request(Request(f"stream-{i}", [3 + i] * 32, SamplingParams(max_tokens=100_000, ignore_eos=True),
+                                      priority=1))
+    for _ in range(60):
+        run_step(scheduler, machine)
+    # A first climb of what the streams leave, then the rest: a running prompt ahead of all of them.
+    scheduler.add_request(Request("vip", [9_999] * 5000, SamplingParams(max_tokens=4, ignore_eos=True), priority=0))
+    budget = scheduler.config.max_num_batched_tokens
+    steps, groups = 0, 0
+    while scheduler.requests["vip"].num_output_tokens == 0:
+        output, _ = run_step(scheduler, machine)
+        steps += 1
+        groups += "vip" in output.layer_spans
+        assert output.total_num_scheduled_tokens <= budget
+        assert all(output.num_scheduled_tokens.get(f"stream-{i}", 0) >= 1 for i in range(40))  # nobody skipped
+        assert steps < 200, "the climb never fitted beside the streams"
+    assert groups >= 2 and scheduler.get_stats().scheduler.num_layered_prefills >= 2

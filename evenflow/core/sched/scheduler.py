@@ -213,8 +213,12 @@ class Scheduler(RequestLedger):
 
     def _layered_chunk(self, request: Request, num_computed: int, token_budget: int) -> int:
         """The tokens a layered prefill of ``request`` takes: all it has left, as far as the step holds
-        less ``CLIMB_SEATS`` (room for the streams short prompts may start while it climbs)."""
-        return self._clamp(request.num_tokens - num_computed, num_computed, max(token_budget - CLIMB_SEATS, 2))
+        beside a decode of every other running request, less ``CLIMB_SEATS`` (room for the streams short
+        prompts may start while it climbs). Beside the others, not at its place in the running order: a
+        request ahead of 40 streams under the priority policy, sized to the whole budget, never fitted."""
+        others = len(self.running) - (request.status == RequestStatus.RUNNING)
+        room = min(token_budget, self.config.max_num_batched_tokens - others) - CLIMB_SEATS
+        return self._clamp(request.num_tokens - num_computed, num_computed, max(room, 2))
 
     def _start_running_layered(self, step: StepPlan, request: Request, token_budget: int) -> bool:
         """A running request mid-prompt (resumed, or chunked before streams were decoding) continues by

@@ -5,7 +5,8 @@ operator gives both the same flags, as with vLLM), pointed at node 0's rendezvou
 then only watches them: the ranks take their steps from the engine-core directly. It returns 0 when
 every rank exited cleanly (the engine-core shut them down), 1 with the cause when one failed (the
 engine-core hears of it through its lost link or rank 0's collectives), and stops its ranks on
-SIGTERM/SIGINT. Its ranks exit by themselves if it dies, which the engine-core sees as a lost host.
+SIGTERM/SIGINT. Its ranks exit by themselves if it dies, which the engine-core sees as a lost host;
+if the machine dies, its idle watch link ends and says so within ~10 s (``watch_from_host``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import signal
 import time
 
 import msgspec
+import zmq
 
 from evenflow.core.engine_config import EngineConfig
 from evenflow.core.model_info import ModelInfo
-from evenflow.core.multi_node import NodeLayout
+from evenflow.core.multi_node import NodeLayout, watch_from_host
 from evenflow.core.component_configs import worker_template
 from evenflow.core.workers import describe_exit, spawn_worker
 
@@ -37,6 +39,8 @@ def run_headless(cfg: EngineConfig, info: ModelInfo) -> int:
         for rank in layout.local_ranks()}
     log.info("node %d of %d: ranks %s for the engine-core at %s", layout.node_rank, layout.nnodes,
              list(procs), layout.steps_addr)
+    ctx = zmq.Context()
+    watch = watch_from_host(ctx, layout)  # the engine-core hears this host die within ~10 s
     try:
         while not stop:
             exited = {rank: p.returncode for rank, p in procs.items() if p.poll() is not None}
@@ -57,3 +61,5 @@ def run_headless(cfg: EngineConfig, info: ModelInfo) -> int:
                 p.kill()
         for p in procs.values():
             p.wait()
+        watch.close(0)
+        ctx.term()

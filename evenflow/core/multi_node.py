@@ -10,9 +10,12 @@ and as CURVE servers keyed by the hosts' shared secret (evenflow/protocol/link_a
 A host that dies (its launcher killed, the machine gone) drops its TCP connections. Only a peer
 that passed the CURVE handshake can subscribe to the step broadcast, and with XPUB_VERBOSER the
 engine-core hears an unsubscription whenever such a subscriber's connection ends: that is a lost
-host, treated as a lost worker (TCP keepalive ends an idle link to a host that stops answering within
-~10 s; a paused process is a slow step: link_auth.py). A stranger failing the handshake never
-subscribed, so it cannot fake one.
+host, treated as a lost worker. TCP keepalive ends an idle link to a host that stops answering within
+~10 s (a paused process is a slow step: link_auth.py), but a step link is never idle while a step
+sent to a dead host waits unacknowledged on it (the kernel retransmits for ~15 min instead). So each
+headless host also holds ``watch_from_host``: one more subscription to the step broadcast, to a topic
+no step starts with, an always idle link whose end within ~10 s of the host's is heard the same way.
+A stranger failing the handshake never subscribed, so it cannot fake either.
 """
 
 from __future__ import annotations
@@ -24,11 +27,16 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from evenflow.protocol.link_auth import SECRET_ENV, LinkKeys, derive_link_keys, read_secret, secure_server
+from evenflow.protocol.link_auth import (
+    SECRET_ENV, LinkKeys, derive_link_keys, read_secret, secure_client, secure_server,
+)
 
 from evenflow.core.engine_config import EngineConfig
 
 log = logging.getLogger("evenflow.core.multi_node")
+
+HOST_WATCH_TOPIC = b"\xc1evenflow-host-watch"  # 0xc1 begins no msgpack value: no step is ever sent to it
+RANK_SUBSCRIPTION = b"\x01"  # what XPUB_VERBOSE reads when a rank subscribes to every step
 
 @dataclass(frozen=True)
 class NodeLayout:
@@ -106,6 +114,16 @@ class SecuredLinks:
 
     def close(self) -> None:
         self._auth.stop()
+
+
+def watch_from_host(ctx: zmq.Context, layout: NodeLayout) -> zmq.Socket:
+    """A headless host's idle link to the engine-core (module docstring); close it when leaving."""
+    sock = ctx.socket(zmq.SUB)
+    secure_client(sock, layout.keys)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, HOST_WATCH_TOPIC)
+    sock.connect(layout.steps_addr)
+    return sock
 
 
 class _OnlyKey:

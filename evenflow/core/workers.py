@@ -35,7 +35,7 @@ from evenflow.protocol import (
 from evenflow.protocol.lifeline import child_env, runtime_dir
 from evenflow.protocol.liveness import recv_ready
 
-from evenflow.core.multi_node import NodeLayout, SecuredLinks
+from evenflow.core.multi_node import RANK_SUBSCRIPTION, NodeLayout, SecuredLinks
 from evenflow.core.step_watchdog import StepWatchdog
 
 log = logging.getLogger("evenflow.core.workers")
@@ -110,7 +110,7 @@ class WorkerGroup:
                                     f"(no WorkerReady from ranks {missing}, {subscribed}/{world} subscribed)")
             events = dict(poller.poll(_POLL_SLICE_MS))
             if self._out in events:
-                if self._out.recv()[:1] == b"\x01":
+                if self._out.recv() == RANK_SUBSCRIPTION:  # not a headless host's watch (multi_node.py)
                     subscribed += 1
             if self._in in events and (msg := self._poll_in(0)) is not None:
                 if isinstance(msg, WorkerReady):

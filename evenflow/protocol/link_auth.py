@@ -13,9 +13,8 @@ kernel's TCP keepalive probes, which a paused process's kernel still answers. (Z
 answered by the peer's process: a SIGSTOPped engine-core dropped every worker link after 5 s, and
 the steps it published while the workers resubscribed were lost to them, hanging the next step. No
 bound on unacknowledged data either: Linux's TCP_USER_TIMEOUT also ends a link whose paused peer's
-receive buffer is full.) Keepalive probes only an idle link: a host that dies with a step sent to it
-is noticed by the step watchdog (``--step-timeout``), which judges a slow process too, on one host or
-many.
+receive buffer is full.) Keepalive probes only an idle link, so a host that dies with a step sent to
+it is heard through an idle link each headless host holds (evenflow/core/multi_node.py).
 """
 
 from __future__ import annotations

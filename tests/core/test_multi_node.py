@@ -1,17 +1,23 @@
 """Links to workers on other hosts: only a peer holding the shared secret gets through, and a peer
-that was connected and drops is reported as a lost host (a stranger's failed handshake is not)."""
+that was connected and drops is reported as a lost host (a stranger's failed handshake is not), also
+when the host stops answering with a step sent to it."""
 
 from __future__ import annotations
 
 import errno
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import zmq
 
 from evenflow.core.engine_config import ConfigError, EngineConfig
-from evenflow.core.multi_node import NodeLayout, SecuredLinks
+from evenflow.core.multi_node import RANK_SUBSCRIPTION, NodeLayout, SecuredLinks, watch_from_host
 from evenflow.protocol.link_auth import derive_link_keys, secure_client
 
 SECRET = b"a-shared-secret-of-some-length"
@@ -95,6 +101,48 @@ def test_only_the_secret_gets_through_and_a_dropped_host_is_lost() -> None:
         steps.close(0)
         results.close(0)
         ctx.term()
+
+
+def test_a_hosts_watch_link_takes_no_step_and_its_end_is_a_lost_host() -> None:
+    ctx = zmq.Context()
+    layout, links, steps, results = _secured_links(ctx)
+    try:
+        watch = watch_from_host(ctx, layout)
+        assert _wait(lambda: steps.poll(0) > 0)
+        subscription = steps.recv()
+        assert subscription != RANK_SUBSCRIPTION  # start-up does not count it as a rank's
+        steps.send(b"\x82step")  # a step starts with a msgpack value's first byte, never 0xc1
+        assert not watch.poll(300)
+        assert links.check() is None
+        watch.close(0)
+        assert _wait(lambda: links.check() is not None)
+    finally:
+        links.close()
+        steps.close(0)
+        results.close(0)
+        ctx.term()
+
+
+def _may_blackhole() -> bool:
+    """Whether this machine lets a test make a network namespace with routing rules by port."""
+    if not (shutil.which("unshare") and shutil.which("ip")) or os.geteuid() != 0:
+        return False
+    probe = subprocess.run(["unshare", "-n", "ip", "rule", "add", "dport", "1", "ipproto", "tcp", "blackhole"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _may_blackhole(), reason="needs root, unshare -n and ip rule's port selectors")
+def test_a_host_that_stops_answering_with_a_step_sent_to_it_is_lost_within_seconds() -> None:
+    """Keepalive does not probe a link with data waiting for its acknowledgement (the kernel retransmits
+    it for ~15 min): without the host's idle watch link, only --step-timeout (600 s) noticed."""
+    script = Path(__file__).with_name("blackholed_host.py")
+    run = subprocess.run(["unshare", "-n", sys.executable, str(script), str(_port_triple_free_now())],
+                         capture_output=True, text=True, timeout=90)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seconds, _, why = run.stdout.strip().partition(" ")
+    assert "lost a worker host" in why, run.stdout
+    assert float(seconds) < 20  # keepalive: 5 s idle, 5 probes 1 s apart
 
 
 def test_node_flags_are_validated(tmp_path) -> None:  # type: ignore[no-untyped-def]

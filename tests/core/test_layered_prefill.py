@@ -260,3 +260,47 @@ def test_a_climb_first_in_the_running_order_leaves_room_for_every_stream_behind_
         assert all(output.num_scheduled_tokens.get(f"stream-{i}", 0) >= 1 for i in range(40))  # nobody skipped
         assert steps < 200, "the climb never fitted beside the streams"
     assert groups >= 2 and scheduler.get_stats().scheduler.num_layered_prefills >= 2
+
+
+def test_a_short_prompt_goes_whole_between_two_chunks_of_a_long_one() -> None:
+    """A long prompt that cannot climb (one layer overruns the room) goes in token chunks; a short prompt
+    arriving behind it goes whole in the next step instead of waiting for every chunk, and the long
+    prompt never gives up two steps in a row, however many short prompts come."""
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS, per_token=0.6e-3)
+    for _ in range(60):
+        run_step(scheduler, machine)
+    add(scheduler, "long", 2000)
+    kinds: list[str] = []
+    waited: list[int] = []
+    arrived = 0
+    while scheduler.requests["long"].num_output_tokens == 0:
+        if len(kinds) >= 2 and len(kinds) % 3 == 2:  # a short prompt every third step
+            arrived += 1
+            add(scheduler, f"short-{arrived}", 16, max_tokens=1000)  # the allowance: ~30 tokens
+            waited.append(0)
+        output, _ = run_step(scheduler, machine)
+        assert not output.layer_spans
+        shorts = [r for r, n in output.num_scheduled_tokens.items() if r.startswith("short") and n > 1]
+        assert all(output.num_scheduled_tokens[r] == 16 for r in shorts)  # whole, never a chunk
+        kinds.append("short" if shorts else "chunk" if "long" in output.num_scheduled_tokens else "other")
+        waited = [w + 1 for w in waited[len(shorts):]]
+        assert all(w <= 2 for w in waited), kinds  # at most one chunk step before its turn
+        assert len(kinds) < 200
+    assert kinds.count("short") == arrived >= 3 and "other" not in kinds
+    assert all(not (a == b == "short") for a, b in zip(kinds, kinds[1:]))  # never two yields in a row
+
+
+def test_short_prompts_behind_a_long_one_wait_for_their_turn_when_the_queue_is_full_of_them() -> None:
+    """Short prompts arriving every step take every other step at most: the long prompt still finishes."""
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS, per_token=0.6e-3)
+    for _ in range(60):
+        run_step(scheduler, machine)
+    add(scheduler, "long", 2000)
+    chunks = steps = 0
+    while scheduler.requests["long"].num_output_tokens == 0:
+        add(scheduler, f"short-{steps}", 12, max_tokens=2)
+        output, _ = run_step(scheduler, machine)
+        steps += 1
+        chunks += "long" in output.num_scheduled_tokens
+        assert steps < 400
+    assert chunks >= steps // 2

@@ -40,7 +40,6 @@ class LayeredPrefill:
     num_tokens: int  # its chunk: every known token it has left, as far as a step holds them
     num_computed: int  # the tokens before the chunk
     next_layer: int = 0
-    yielded: bool = False  # its last step went to short prompts (the next is its own)
 
     def span(self, num_layers_now: int, num_layers: int) -> tuple[int, int]:
         """The layers of its next step, ``num_layers_now`` of them at most."""

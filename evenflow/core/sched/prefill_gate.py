@@ -127,11 +127,23 @@ class PrefillGate:
         self.allowance_left = 0
 
     def whole_prompts_only(self, seats: int) -> None:
-        """Only prompts whose rest fits the allowance whole, ``seats`` of them at most (short ones that
-        arrived while a prompt climbs the layers: they go in one step, the climb's next group in the
-        step after, and each then decodes beside the groups, a token a step)."""
+        """Only prompts whose rest fits the allowance whole, ``seats`` of them at most: short ones that
+        arrived while a prompt climbs the layers or goes in token chunks go in one step, its next group
+        or chunk in the step after (the scheduler's ``_yielded``)."""
         self.whole_only = True
         self.seats = seats
+
+    def short_prompt_first(self, head: Request | None, num_running: int, config: SchedulerConfig,
+                           num_free_blocks: int) -> bool:
+        """Whether a prompt runs in token chunks while ``head``, first in the queue, would prefill whole
+        within this step's allowance, with a seat and the blocks for it. (The chunk took the allowance
+        and a short prompt waited for every chunk: beside the small model's chunked 2048-token prompts
+        the streams' new prompts waited ~1 s at p99.) Under the partial-prefill bounds it goes beside."""
+        if head is None or not self.survey.prefills or self.bounded or num_running >= config.max_num_seqs:
+            return False
+        return (not head.held and 1 < head.num_tokens <= self.allowance_left
+                and head.num_tokens + self.survey.decodes <= config.max_num_batched_tokens
+                and -(-head.num_tokens // config.block_size) <= num_free_blocks)
 
     def commit_layer_group(self, num_new: int, num_computed: int, share: float) -> None:
         """Count a layered prefill's step: its chunk through ``share`` of the layers, and no other."""

@@ -18,8 +18,9 @@ after a later step was scheduled), is ``RequestLedger`` in evenflow/core/sched/l
 
 Every prefill chunk passes the step's ``PrefillGate``: open by default (the token budget alone
 limits it); with ``--target-itl-ms`` the ``BudgetController`` chooses how much prompt work rides
-along with the decodes (a prompt it would cut goes by layer groups instead: layered_prefill.py), and
-``--max-num-partial-prefills`` bounds the prompts mid-prefill.
+along with the decodes (a prompt it would cut goes by layer groups instead: layered_prefill.py; a
+short prompt behind a climb or a chunked prompt goes whole in the next step, every other step at
+most), and ``--max-num-partial-prefills`` bounds the prompts mid-prefill.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Scheduler(RequestLedger):
     """Decides, step by step, which requests run and how many of their tokens."""
 
     _layered: LayeredPrefill | None = None  # the prompt climbing the layers, if any (layered_prefill.py)
+    _yielded = False  # the last step's prompt room went to short prompts ahead of a running prompt
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step: which requests run, how many tokens each, with which blocks."""
@@ -69,10 +71,18 @@ class Scheduler(RequestLedger):
             # ... but for short prompts, every other step at most, while its groups keep their room in
             # the token budget beside the streams they start (layered_prefill.py)
             seats = config.max_num_batched_tokens - self._layered.num_tokens - (len(self.running) - 1)
-            if self._layered.yielded or seats <= 0:
+            if self._yielded or seats <= 0:
                 gate.close()
             else:
                 gate.whole_prompts_only(seats)
+        elif not gate.is_open:
+            # Likewise a prompt in token chunks: a short prompt waiting behind it goes whole in one step
+            # (its chunk, not whole, is refused), every other step at most.
+            self._yielded = not self._yielded and gate.short_prompt_first(
+                self.waiting.peek() if self.waiting else None, len(self.running), config,
+                self.kv_cache_manager.num_free_blocks)
+            if self._yielded:
+                gate.whole_prompts_only(config.max_num_seqs - len(self.running))
         return StepPlan(step_id=step_id, token_budget=config.max_num_batched_tokens, gate=gate,
                         num_running_at_start=len(self.running))
 
@@ -240,8 +250,8 @@ class Scheduler(RequestLedger):
         layered = self._layered
         assert layered is not None and self.budget_controller is not None  # layered only under the controller
         request = layered.request
-        layered.yielded = step.gate.prefill_tokens > 0  # short prompts took this step's room
-        if layered.yielded or layered.num_tokens > step.token_budget or request.held:
+        self._yielded = step.gate.prefill_tokens > 0  # short prompts took this step's room
+        if self._yielded or layered.num_tokens > step.token_budget or request.held:
             return
         num_layers = self.config.num_layers
         layers = self.budget_controller.layer_group(step.gate.survey, layered.num_tokens, layered.num_computed,

@@ -33,14 +33,14 @@ def run_headless(cfg: EngineConfig, info: ModelInfo) -> int:
     stop: list[str] = []
     signal.signal(signal.SIGTERM, lambda signum, _f: stop.append(signal.Signals(signum).name))
     signal.signal(signal.SIGINT, lambda signum, _f: stop.append(signal.Signals(signum).name))
+    ctx = zmq.Context()
+    watch = watch_from_host(ctx, layout)  # the engine-core hears this host die within ~10 s
     procs = {rank: spawn_worker(msgspec.structs.replace(
         template, rank=rank, dist_init_addr=layout.dist_init_addr, engine_input_addr=layout.steps_addr,
         engine_output_addr=layout.results_addr, secure_link=True), layout.worker_env())
         for rank in layout.local_ranks()}
     log.info("node %d of %d: ranks %s for the engine-core at %s", layout.node_rank, layout.nnodes,
              list(procs), layout.steps_addr)
-    ctx = zmq.Context()
-    watch = watch_from_host(ctx, layout)  # the engine-core hears this host die within ~10 s
     try:
         while not stop:
             exited = {rank: p.returncode for rank, p in procs.items() if p.poll() is not None}

@@ -304,3 +304,31 @@ def test_short_prompts_behind_a_long_one_wait_for_their_turn_when_the_queue_is_f
         chunks += "long" in output.num_scheduled_tokens
         assert steps < 400
     assert chunks >= steps // 2
+
+
+def test_a_prompt_in_chunks_gives_no_step_to_a_short_prompt_that_cannot_go_or_ranks_below_it() -> None:
+    """Held by its slow reader, the short prompt first in the queue cannot be admitted: the long prompt
+    keeps every chunk (and no prompt behind overtakes it); under the priority policy it gives none to
+    a lower-priority one either, and does to one of its own rank."""
+    for policy in ("fcfs", "priority"):
+        scheduler = Scheduler(SchedulerConfig(num_kv_blocks=4096, max_num_batched_tokens=2048, max_model_len=4096,
+                                              max_num_seqs=64, target_itl_ms=30.0, num_layers=LAYERS, policy=policy))
+        machine = SyntheticMachine(num_layers=LAYERS, per_token=0.6e-3)
+        for i in range(8):
+            add(scheduler, f"stream-{i}", 64, max_tokens=100_000)
+        for _ in range(60):
+            run_step(scheduler, machine)
+        add(scheduler, "long", 2000)
+        run_step(scheduler, machine)
+        if policy == "fcfs":
+            add(scheduler, "held", 16)
+            scheduler.requests["held"].held = True
+        else:
+            scheduler.add_request(Request("low", [7] * 16, SamplingParams(max_tokens=4), priority=1))
+        outputs = [run_step(scheduler, machine)[0] for _ in range(6)]
+        assert all("long" in o.num_scheduled_tokens for o in outputs), policy
+        if policy == "priority":
+            scheduler.add_request(Request("peer", [8] * 16, SamplingParams(max_tokens=4), priority=0))
+            outputs = [run_step(scheduler, machine)[0] for _ in range(2)]
+            assert any(o.num_scheduled_tokens.get("peer") == 16 and "long" not in o.num_scheduled_tokens
+                       for o in outputs)

@@ -133,15 +133,16 @@ class PrefillGate:
         self.whole_only = True
         self.seats = seats
 
-    def short_prompt_first(self, head: Request | None, num_running: int, config: SchedulerConfig,
+    def short_prompt_first(self, head: Request, num_running: int, config: SchedulerConfig,
                            num_free_blocks: int) -> bool:
-        """Whether a prompt runs in token chunks while ``head``, first in the queue, would prefill whole
-        within this step's allowance, with a seat and the blocks for it. (The chunk took the allowance
-        and a short prompt waited for every chunk: beside the small model's chunked 2048-token prompts
-        the streams' new prompts waited ~1 s at p99.) Under the partial-prefill bounds it goes beside."""
-        if head is None or not self.survey.prefills or self.bounded or num_running >= config.max_num_seqs:
+        """Whether a prompt runs in token chunks while ``head``, first in the queue and admissible,
+        would prefill whole within this step's allowance, with a seat and the blocks for it. (The chunk
+        took the allowance and a short prompt waited for every chunk: beside the small model's chunked
+        2048-token prompts the streams' new prompts waited ~1 s at p99.) Under the partial-prefill
+        bounds it goes beside."""
+        if not self.survey.prefills or self.bounded or num_running >= config.max_num_seqs:
             return False
-        return (not head.held and 1 < head.num_tokens <= self.allowance_left
+        return (1 < head.num_tokens <= self.allowance_left
                 and head.num_tokens + self.survey.decodes <= config.max_num_batched_tokens
                 and -(-head.num_tokens // config.block_size) <= num_free_blocks)
 

@@ -71,16 +71,18 @@ class Scheduler(RequestLedger):
             # ... but for short prompts, every other step at most, while its groups keep their room in
             # the token budget beside the streams they start (layered_prefill.py)
             seats = config.max_num_batched_tokens - self._layered.num_tokens - (len(self.running) - 1)
-            if self._yielded or seats <= 0:
+            if self._yielded or seats <= 0 or not self._outranks_none_waiting(self._layered.request):
                 gate.close()
             else:
                 gate.whole_prompts_only(seats)
         elif not gate.is_open:
             # Likewise a prompt in token chunks: a short prompt waiting behind it goes whole in one step
             # (its chunk, not whole, is refused), every other step at most.
-            self._yielded = not self._yielded and gate.short_prompt_first(
-                self.waiting.peek() if self.waiting else None, len(self.running), config,
-                self.kv_cache_manager.num_free_blocks)
+            head = self.waiting.peek() if self.waiting else None
+            self._yielded = (not self._yielded and head is not None and self._admissible(head)
+                             and gate.short_prompt_first(head, len(self.running), config,
+                                                         self.kv_cache_manager.num_free_blocks)
+                             and self._outranks_none_waiting(next(r for r in self.running if r.num_tokens - r.num_computed_tokens > 1)))
             if self._yielded:
                 gate.whole_prompts_only(config.max_num_seqs - len(self.running))
         return StepPlan(step_id=step_id, token_budget=config.max_num_batched_tokens, gate=gate,
@@ -214,7 +216,7 @@ class Scheduler(RequestLedger):
         this step's room, and one of its layers fits the step (BudgetController.prefers_layers)."""
         gate = step.gate
         if (not self.config.num_layers or request.num_tokens - num_computed <= 1 or self._layered is not None
-                or gate.is_open or not gate.survey.decodes or gate.prefill_tokens):
+                or gate.is_open or gate.whole_only or not gate.survey.decodes or gate.prefill_tokens):
             return False
         num_new = self._layered_chunk(request, num_computed, token_budget)
         controller = self.budget_controller
@@ -279,10 +281,21 @@ class Scheduler(RequestLedger):
             self._layered = None
         super()._finish(request, status)
 
+    def _outranks_none_waiting(self, prompt: Request) -> bool:
+        """Whether a running ``prompt`` may give a step to the queue's first prompt: always, but under
+        the ``priority`` policy to a lower-priority one."""
+        return self.config.policy != "priority" or not self.waiting or self.waiting.peek().priority <= prompt.priority
+
     def _ready_to_admit(self, request: Request) -> bool:
         """Whether a waiting request may be admitted now; False: it keeps its place (or it has
         finished: its grammar failed to compile)."""
-        if request.held or (request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request)):
+        if request.status == RequestStatus.WAITING_FOR_FSM and not request.held and not self._grammar_ready(request):
+            return False
+        return self._admissible(request)
+
+    def _admissible(self, request: Request) -> bool:
+        """``_ready_to_admit`` without compiling: False while its grammar compiles."""
+        if request.held or request.status == RequestStatus.WAITING_FOR_FSM:
             return False
         if request.num_output_placeholders:
             return False  # a token of an in-flight step is owed to it

@@ -26,6 +26,7 @@ class SchedulerCounts(Struct, array_like=True):
     update_s: float = 0.0  # cumulative seconds in Scheduler.update_from_output
     num_layered_prefills: int = 0  # cumulative prompt chunks prefilled by layer groups (counted at their last)
     num_layer_group_steps: int = 0  # cumulative steps that carried a layer group
+    num_layered_prefills_stopped: int = 0  # cumulative climbs stopped for token chunks (a layer overran the room)
 
 
 class KVCacheStats(Struct, array_like=True):

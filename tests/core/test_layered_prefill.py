@@ -332,3 +332,29 @@ def test_a_prompt_in_chunks_gives_no_step_to_a_short_prompt_that_cannot_go_or_ra
             outputs = [run_step(scheduler, machine)[0] for _ in range(2)]
             assert any(o.num_scheduled_tokens.get("peer") == 16 and "long" not in o.num_scheduled_tokens
                        for o in outputs)
+
+
+def test_a_climb_whose_layer_overruns_the_room_goes_on_in_token_chunks() -> None:
+    """The machine slows down 10x mid-climb (another process took a core): once a measured layer no longer
+    fits the room beside the streams, the prompt stops climbing and goes on in token chunks from its
+    first layer, instead of a layer a step far over the target; the next long prompt goes in chunks."""
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
+    for _ in range(60):
+        run_step(scheduler, machine)
+    add(scheduler, "long", 2000)
+    kinds: list[str] = []
+    while scheduler.requests["long"].num_output_tokens == 0:
+        output, seconds = run_step(scheduler, machine)
+        kinds.append("group" if "long" in output.layer_spans else
+                     "chunk" if output.num_scheduled_tokens.get("long", 0) > 1 else "other")
+        if kinds.count("group") == 3:
+            machine.slowdown = 10.0
+        assert len(kinds) < 400
+    assert kinds.count("group") >= 3 and "chunk" in kinds
+    assert "group" not in kinds[kinds.index("chunk"):]  # once stopped it does not climb again
+    assert kinds.index("chunk") - kinds.count("group") <= 3  # stopped at its first measured overrun (overlap: +1)
+    stats = scheduler.get_stats().scheduler
+    assert stats.num_layered_prefills_stopped == 1 and stats.num_layered_prefills == 0
+    add(scheduler, "next", 2000)
+    outputs = [run_step(scheduler, machine)[0] for _ in range(3)]
+    assert not any(o.layer_spans for o in outputs)

@@ -99,10 +99,17 @@ def test_spans_outside_the_model_are_refused(five_layers: Path) -> None:
 # ------------------------------------------------------------------ through the scheduler
 
 @pytest.fixture
-def layers_preferred(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every prompt the allowance would cut goes by layer groups (the controller's choice between
+def layers_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every prompt the allowance would cut starts by layer groups (the controller's choice between
     groups and chunks is tested on a synthetic machine: tests/core/test_layered_prefill.py)."""
     monkeypatch.setattr(BudgetController, "prefers_layers", lambda *args: True)
+
+
+@pytest.fixture
+def layers_preferred(layers_started: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and climbs to its last layer, at least one a step, though a layer overruns the room."""
+    group = BudgetController.layer_group
+    monkeypatch.setattr(BudgetController, "layer_group", lambda *args: max(group(*args), 1))
 
 
 def _layered_jobs() -> list[Job]:
@@ -145,6 +152,23 @@ def test_prompts_climb_the_layers_beside_streams_and_give_the_reference_tokens(f
     assert len(runner.layered_hidden) == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_climbs_stopped_for_an_overrun_go_on_in_token_chunks_and_are_exact(five_layers: Path, overlap: bool,
+                                                                          layers_started: None) -> None:
+    """Under a target no step can meet every measured layer overruns the room: each climb stops at its
+    first measured group and its prompt goes on in token chunks, and every output is the reference."""
+    runner = make_runner(five_layers, num_blocks=128, block_size=4)
+    jobs = _layered_jobs()
+    result = run_jobs(runner, jobs, num_blocks=128, budget=256, overlap=overlap,
+                      scheduler_overrides={"target_itl_ms": 0.001, "num_layers": LAYERS})
+    for job in jobs:
+        assert result.outputs[job.req_id] == reference_greedy(five_layers, job.prompt, job.max_tokens), job.req_id
+    long_steps = [so for so in result.steps if "long" in so.num_scheduled_tokens]
+    assert "long" in long_steps[0].layer_spans and long_steps[0].layer_spans["long"][1] < LAYERS
+    assert any("long" not in so.layer_spans and so.num_scheduled_tokens["long"] > 1 for so in long_steps)
+    assert len(runner.layered_hidden) == 0
+
+
 def test_a_prompt_preempted_mid_climb_starts_over_and_is_exact(five_layers: Path, layers_preferred: None) -> None:
     """A pool too small for every stream and the long prompt: the climbing prompt is preempted (its
     layers so far lost with its blocks), comes back, climbs again, and every output is the reference."""
@@ -159,3 +183,19 @@ def test_a_prompt_preempted_mid_climb_starts_over_and_is_exact(five_layers: Path
     climbed = [so.layer_spans["long"] for so in result.steps if so.step_id < preempted_at and "long" in so.layer_spans]
     assert climbed and climbed[-1][1] < LAYERS  # preempted mid-climb
     assert len(runner.layered_hidden) == 0
+
+
+def test_a_climb_stopped_midway_goes_on_in_token_chunks_and_is_exact(five_layers: Path) -> None:
+    """Two of five layers by groups, then the scheduler stops the climb (a layer overran the room): the
+    prompt's token chunks start over at its first token, through every layer, and the worker drops
+    the residual stream no group continues."""
+    runner = make_runner(five_layers, num_blocks=64, block_size=4)
+    prompt = [5, 17, 99, 23, 42, 7, 8, 150, 61, 3, 77]
+    want = reference_greedy(five_layers, prompt, 1)
+    new = [NewRequestData("p", prompt, greedy(1), [10, 11, 12], 0)]
+    assert runner.execute_model(step(0, {"p": 11}, new, spans={"p": (0, 2)})).sampled_token_ids == [[]]
+    assert len(runner.layered_hidden) == 1
+    out = runner.execute_model(step(1, {"p": 6}, cached=[CachedRequestData("p", [], 0)]))
+    assert out.sampled_token_ids == [[]] and len(runner.layered_hidden) == 0
+    out = runner.execute_model(step(2, {"p": 5}, cached=[CachedRequestData("p", [], 6)]))
+    assert out.sampled_token_ids == [want]

@@ -184,7 +184,10 @@ class BudgetController:
         is, in tokens x share. A shape no group measured yet runs one layer: the fit's share of a whole
         chunk overran by up to 1.7x served. (Counted as the room's, not the layers left, a last group
         of one layer priced its layer at a quarter: the next prompt's groups then ran 1.5x their
-        prediction.)"""
+        prediction.) 0: a layer of it, as measured, overruns the room, and the climb should stop: what
+        the fit foresaw when it started was too little (a served climb on the small demo model probed at
+        112-126 ms a layer against a ~75 ms room, then ran its other 6 layers a step each at 126-364 ms
+        instead of going on in token chunks within the target)."""
         if survey.decodes == 0:
             self._bound_by = "room"
             return num_layers - next_layer
@@ -196,6 +199,11 @@ class BudgetController:
         key = price_key(num_tokens, num_computed)
         per_layer_s, measured = self._layer_price_s(cost, key, num_tokens, num_computed, num_layers)
         layers = int(room_s / per_layer_s) if per_layer_s > 0 else num_layers
+        if measured and layers < 1:
+            self._bound_by = "overrun"
+            self.stats.layered_prefills_stopped += 1
+            self.layer_price.forget(key)
+            return 0
         if not measured:
             layers, self._bound_by = 1, "probe"
         trusted = int(num_layers * TRUST_GROWTH * self.largest_prefill_seen / num_tokens)

@@ -26,6 +26,7 @@ class BudgetStats:
     num_steps: int = 0
     num_within_target: int = 0
     layer_group_steps: int = 0  # steps planned for a prompt's layer group (layered_prefill.py)
+    layered_prefills_stopped: int = 0  # climbs that went on in token chunks: a layer overran the room
 
     def count_budget(self, budget: int) -> None:
         self.last_budget = budget
@@ -47,6 +48,7 @@ class BudgetStats:
         b.step_predicted_s, b.step_measured_s = self.predicted_s, self.measured_s
         b.num_controlled_steps, b.num_steps_within_target = self.num_steps, self.num_within_target
         stats.scheduler.num_layer_group_steps = self.layer_group_steps  # layer groups are the controller's
+        stats.scheduler.num_layered_prefills_stopped = self.layered_prefills_stopped
         return stats
 
 

@@ -85,6 +85,12 @@ class LayerPrice:
         price = self._per_token_layer_s.get(key)
         return None if price is None else price * num_tokens
 
+    def forget(self, key: tuple[int, int]) -> None:
+        """No price for ``key``: its next group probes. (A price too high to climb by would never be
+        measured again: one slow start-up measurement would keep every later prompt of the shape in
+        token chunks.)"""
+        self._per_token_layer_s.pop(key, None)
+
     def observe(self, key: tuple[int, int], prompt_s: float, layers: int, num_tokens: int) -> None:
         """A step that ran ``layers`` layers of ``num_tokens`` tokens in a group ``key`` and took
         ``prompt_s`` beyond its decodes."""

@@ -44,6 +44,7 @@ class Scheduler(RequestLedger):
 
     _layered: LayeredPrefill | None = None  # the prompt climbing the layers, if any (layered_prefill.py)
     _yielded = False  # the last step's prompt room went to short prompts ahead of a running prompt
+    _stopped_climb: Request | None = None  # the last prompt that stopped climbing (it goes on in token chunks)
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step: which requests run, how many tokens each, with which blocks."""
@@ -216,7 +217,8 @@ class Scheduler(RequestLedger):
         this step's room, and one of its layers fits the step (BudgetController.prefers_layers)."""
         gate = step.gate
         if (not self.config.num_layers or request.num_tokens - num_computed <= 1 or self._layered is not None
-                or gate.is_open or gate.whole_only or not gate.survey.decodes or gate.prefill_tokens):
+                or gate.is_open or gate.whole_only or not gate.survey.decodes or gate.prefill_tokens
+                or request is self._stopped_climb):
             return False
         num_new = self._layered_chunk(request, num_computed, token_budget)
         controller = self.budget_controller
@@ -258,6 +260,9 @@ class Scheduler(RequestLedger):
         num_layers = self.config.num_layers
         layers = self.budget_controller.layer_group(step.gate.survey, layered.num_tokens, layered.num_computed,
                                                     num_layers, layered.next_layer)
+        if layers == 0:  # a layer overruns the room: it goes on in token chunks from the next step, all layers
+            self._layered, self._stopped_climb = None, request
+            return
         start, end = layered.span(layers, num_layers)
         req_id = request.request_id
         if start > 0:  # the first group's step carried its blocks (admission, _start_running_layered)

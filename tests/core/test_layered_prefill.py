@@ -11,6 +11,7 @@ from evenflow.core.engine_config import EngineConfig
 from evenflow.core.request import Request
 from evenflow.core.sched.config import ConfigError, SchedulerConfig
 from evenflow.core.sched.layered_prefill import CLIMB_SEATS, LayerPrice, may_layer, price_key
+from evenflow.core.sched.prefill_gate import survey_running
 from evenflow.core.sched.scheduler import Scheduler
 from evenflow.core.sched.step_time_model import shape_of_step
 from evenflow.protocol import ModelRunnerOutput, SamplingParams
@@ -358,3 +359,21 @@ def test_a_climb_whose_layer_overruns_the_room_goes_on_in_token_chunks() -> None
     add(scheduler, "next", 2000)
     outputs = [run_step(scheduler, machine)[0] for _ in range(3)]
     assert not any(o.layer_spans for o in outputs)
+
+
+def test_a_room_that_holds_one_layer_but_not_two_keeps_the_prompt_in_token_chunks() -> None:
+    """One layer a step would leave a third of every step's room unused; chunks fill it."""
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS, per_token=0.22e-3)
+    controller = scheduler.budget_controller
+    assert controller is not None
+    for _ in range(60):
+        run_step(scheduler, machine)
+    cost = controller.model.fitted_costs()
+    survey = survey_running(scheduler.running, scheduler._long_threshold)
+    _, room_s, _ = controller._prompt_room(cost, survey)
+    layer_s = machine.per_token * 2000 / LAYERS
+    assert layer_s < room_s < 2 * layer_s  # the machine as the test means it
+    add(scheduler, "long", 2000)
+    outputs = [run_step(scheduler, machine)[0] for _ in range(5)]
+    assert not any(o.layer_spans for o in outputs)
+    assert all(0 < o.num_scheduled_tokens["long"] < 2000 for o in outputs)

@@ -63,6 +63,11 @@ PREFILL_MIN_SHARE = 0.2  # of a step's predicted time, for a prompt to prefill b
 # The fit may price a prompt token down to this share of what the last prefill steps measured
 # (MeasuredPromptCost); below it the measured cost sizes the chunk and predicts its step.
 MEASURED_COST_SHARE = 0.8
+# Layers of a prompt a step's room must hold for it to climb rather than go in token chunks: a room of
+# 1.5 layers runs one and leaves the rest of every step unused (the small demo model served: one layer
+# of a 2032-token prompt ~50 ms in a ~75 ms room, its first token 0.9-1.2 s against 0.71-0.79 s in
+# chunks), where a chunk fills the room.
+MIN_LAYERS_A_STEP = 2
 MEASURED_WINDOW = 64  # prefill steps a context bucket remembers
 UNAIMED = ("share", "floor", "warm-up", "probe")  # allowances the aim did not size: their steps do not move it
 
@@ -150,7 +155,7 @@ class BudgetController:
     def prefers_layers(self, survey: RunningSurvey, num_tokens: int, num_computed: int, num_layers: int) -> bool:
         """Whether a prompt chunk (``num_tokens`` after ``num_computed``) that the step's allowance cuts
         goes by layer groups instead (layered_prefill.py): past the fit's warm-up, beside decodes, where
-        one of its layers fits the aim's room beside them. (On the small demo model, 8 layers, one layer
+        ``MIN_LAYERS_A_STEP`` of its layers fit the aim's room beside them. (On the small demo model, 8 layers, one layer
         of a 2032-token prompt costs ~200 ms against a ~130 ms room: every one-layer group overran the
         target, docs/results/steadiness.md; it goes in chunks. A count of the steps its chunks would take
         against its groups' also kept the real model's prompts in chunks, where groups start them sooner:
@@ -163,7 +168,7 @@ class BudgetController:
             return False
         per_layer_s, _ = self._layer_price_s(cost, price_key(num_tokens, num_computed), num_tokens, num_computed,
                                              num_layers)
-        return 0 < per_layer_s <= room_s
+        return 0 < per_layer_s * min(MIN_LAYERS_A_STEP, num_layers) <= room_s
 
     def _layer_price_s(self, cost: StepCosts, key: tuple[int, int], num_tokens: int, num_computed: int,
                        num_layers: int) -> tuple[float, bool]:

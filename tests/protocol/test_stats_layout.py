@@ -31,7 +31,7 @@ def _full() -> SchedulerStats:
     return SchedulerStats(
         scheduler=SchedulerCounts(num_running=2, num_waiting=1, num_preemptions=3, num_steps=4, num_prompt_tokens=5,
                                   num_generation_tokens=6, num_scheduled_tokens=7, schedule_s=0.5, update_s=0.25,
-                                  num_layered_prefills=8, num_layer_group_steps=9),
+                                  num_layered_prefills=8, num_layer_group_steps=9, num_layered_prefills_stopped=1),
         kv_cache=KVCacheStats(usage=0.5, prefix_cache_queries=10, prefix_cache_hits=4),
         workers=WorkerTimingStats(prepare_s=1.0, forward_s=2.0, sample_s=3.0, idle_s=4.0),
         grammar=GrammarStats(compile_buckets=[1, 0, 2], compile_s=0.125, cache_hits=1),
@@ -45,7 +45,7 @@ def _full() -> SchedulerStats:
 
 def test_each_owner_is_one_array_in_order() -> None:
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(_full()))
-    assert wire == [[2, 1, 3, 4, 5, 6, 7, 0.5, 0.25, 8, 9], [0.5, 10, 4], [1.0, 2.0, 3.0, 4.0], [[1, 0, 2], 0.125, 1],
+    assert wire == [[2, 1, 3, 4, 5, 6, 7, 0.5, 0.25, 8, 9, 1], [0.5, 10, 4], [1.0, 2.0, 3.0, 4.0], [[1, 0, 2], 0.125, 1],
                     [0.05, 300, [0, 1], 300, 0.1, 0.2, 2, 1], [1, 2, 1, [1, 0]]]
 
 

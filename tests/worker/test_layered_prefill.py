@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from evenflow.core.sched.budget_controller import BudgetController
 from evenflow.protocol import CachedRequestData, NewRequestData, SchedulerOutput
+from evenflow.worker.runner import ModelRunner
 
 from tests.checkpoints import make_checkpoint, reference_greedy
-from tests.worker.harness import Job, greedy, make_runner, run_jobs
+from tests.worker.harness import Job, RunResult, greedy, make_runner, run_jobs
 
 LAYERS = 5
 
@@ -121,6 +122,15 @@ def _layered_jobs() -> list[Job]:
     return streams + prompts
 
 
+def _run_exact(runner: ModelRunner, model: Path, jobs: list[Job], overlap: bool) -> RunResult:
+    """The jobs under a target no step can meet; every output checked against transformers."""
+    result = run_jobs(runner, jobs, num_blocks=128, budget=256, overlap=overlap,
+                      scheduler_overrides={"target_itl_ms": 0.001, "num_layers": LAYERS})
+    for job in jobs:
+        assert result.outputs[job.req_id] == reference_greedy(model, job.prompt, job.max_tokens), job.req_id
+    return result
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_prompts_climb_the_layers_beside_streams_and_give_the_reference_tokens(five_layers: Path, overlap: bool,
                                                                               layers_preferred: None) -> None:
@@ -130,10 +140,7 @@ def test_prompts_climb_the_layers_beside_streams_and_give_the_reference_tokens(f
     offered once all layers wrote them."""
     runner = make_runner(five_layers, num_blocks=128, block_size=4)
     jobs = _layered_jobs()
-    result = run_jobs(runner, jobs, num_blocks=128, budget=256, overlap=overlap,
-                      scheduler_overrides={"target_itl_ms": 0.001, "num_layers": LAYERS})
-    for job in jobs:
-        assert result.outputs[job.req_id] == reference_greedy(five_layers, job.prompt, job.max_tokens), job.req_id
+    result = _run_exact(runner, five_layers, jobs, overlap)
     spans = [(req, span) for so in result.steps for req, span in so.layer_spans.items()]
     assert {req for req, _ in spans} >= {"long", "later"}
     first_again = next(so.num_scheduled_tokens["again"] for so in result.steps if "again" in so.num_scheduled_tokens)
@@ -159,10 +166,7 @@ def test_climbs_stopped_for_an_overrun_go_on_in_token_chunks_and_are_exact(five_
     first measured group and its prompt goes on in token chunks, and every output is the reference."""
     runner = make_runner(five_layers, num_blocks=128, block_size=4)
     jobs = _layered_jobs()
-    result = run_jobs(runner, jobs, num_blocks=128, budget=256, overlap=overlap,
-                      scheduler_overrides={"target_itl_ms": 0.001, "num_layers": LAYERS})
-    for job in jobs:
-        assert result.outputs[job.req_id] == reference_greedy(five_layers, job.prompt, job.max_tokens), job.req_id
+    result = _run_exact(runner, five_layers, jobs, overlap)
     long_steps = [so for so in result.steps if "long" in so.num_scheduled_tokens]
     assert "long" in long_steps[0].layer_spans and long_steps[0].layer_spans["long"][1] < LAYERS
     assert any("long" not in so.layer_spans and so.num_scheduled_tokens["long"] > 1 for so in long_steps)

@@ -377,3 +377,19 @@ def test_a_room_that_holds_one_layer_but_not_two_keeps_the_prompt_in_token_chunk
     outputs = [run_step(scheduler, machine)[0] for _ in range(5)]
     assert not any(o.layer_spans for o in outputs)
     assert all(0 < o.num_scheduled_tokens["long"] < 2000 for o in outputs)
+
+
+def test_a_short_prompt_behind_a_waiting_long_one_passes_it_between_two_chunks() -> None:
+    """A second long prompt waits at the queue's head for the chunked one; a short prompt behind it still
+    goes whole in the next step, and the long one keeps its place."""
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS, per_token=0.6e-3)
+    for _ in range(60):
+        run_step(scheduler, machine)
+    add(scheduler, "long", 2000)
+    run_step(scheduler, machine)
+    add(scheduler, "long-2", 2000)
+    add(scheduler, "short", 16, max_tokens=100)
+    outputs = [run_step(scheduler, machine)[0] for _ in range(2)]
+    assert any(o.num_scheduled_tokens.get("short") == 16 for o in outputs)
+    assert not any("long-2" in o.num_scheduled_tokens for o in outputs)
+    assert scheduler.waiting.peek().request_id == "long-2"

@@ -3,7 +3,7 @@
 ``schedule()`` is four phases over one ``StepPlan``: the RUNNING requests, in order, each with as
 many of its remaining tokens as the budget allows (and its draft slots); then, only if nobody had to
 be preempted, the WAITING requests, each only when the free blocks hold all its known tokens; then
-the next layer group of a prompt prefilled by layer groups, if one is climbing; then closing the step
+the next layer group of a prompt prefilled by layer groups, if one is climbing (layered_steps.py); then closing the step
 into a ``SchedulerOutput``. When the KV
 cache cannot hold a chunk, the last RUNNING request (latest admitted under ``fcfs``, lowest
 priority under ``priority``) is preempted by recompute. Each phase has one hook method for what
@@ -26,25 +26,25 @@ most), and ``--max-num-partial-prefills`` bounds the prompts mid-prefill.
 from __future__ import annotations
 
 import time
+from itertools import islice
 
 from evenflow.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 
 from evenflow.core.kv.block_pool import KVBlock
 from evenflow.core.kv.manager import ComputedBlocks
-from evenflow.core.sched.layered_prefill import CLIMB_SEATS, LayeredPrefill, group_tokens, may_layer
+from evenflow.core.sched.layered_prefill import LayeredPrefill, group_tokens
+from evenflow.core.sched.layered_steps import LayeredSteps
 from evenflow.core.sched.prefill_gate import PrefillGate
 from evenflow.core.sched.step_plan import StepPlan
 from evenflow.core.request import Request, RequestStatus
 from evenflow.core.sched.draft_slots import num_draft_slots
-from evenflow.core.sched.ledger import RequestLedger
 
 
-class Scheduler(RequestLedger):
+SHORT_PROMPT_SCAN = 16  # waiting prompts a step looks through for a short one (it runs every step)
+
+
+class Scheduler(LayeredSteps):
     """Decides, step by step, which requests run and how many of their tokens."""
-
-    _layered: LayeredPrefill | None = None  # the prompt climbing the layers, if any (layered_prefill.py)
-    _yielded = False  # the last step's prompt room went to short prompts ahead of a running prompt
-    _stopped_climb: Request | None = None  # the last prompt that stopped climbing (it goes on in token chunks)
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step: which requests run, how many tokens each, with which blocks."""
@@ -79,11 +79,7 @@ class Scheduler(RequestLedger):
         elif not gate.is_open:
             # Likewise a prompt in token chunks: a short prompt waiting behind it goes whole in one step
             # (its chunk, not whole, is refused), every other step at most.
-            head = self.waiting.peek() if self.waiting else None
-            self._yielded = (not self._yielded and head is not None and self._admissible(head)
-                             and gate.short_prompt_first(head, len(self.running), config,
-                                                         self.kv_cache_manager.num_free_blocks)
-                             and self._outranks_none_waiting(next(r for r in self.running if r.num_tokens - r.num_computed_tokens > 1)))
+            self._yielded = not self._yielded and self._short_prompt_waits(gate)
             if self._yielded:
                 gate.whole_prompts_only(config.max_num_seqs - len(self.running))
         return StepPlan(step_id=step_id, token_budget=config.max_num_batched_tokens, gate=gate,
@@ -211,80 +207,20 @@ class Scheduler(RequestLedger):
             waiting.add_front(request)
         step.token_budget = token_budget
 
-    def _layer_instead(self, step: StepPlan, request: Request, num_computed: int, token_budget: int) -> bool:
-        """Whether ``request``'s prompt goes by layer groups rather than in token chunks: the adaptive
-        budget would cut it, streams are decoding beside it, no prompt chunk or other layered prefill has
-        this step's room, and one of its layers fits the step (BudgetController.prefers_layers)."""
-        gate = step.gate
-        if (not self.config.num_layers or request.num_tokens - num_computed <= 1 or self._layered is not None
-                or gate.is_open or gate.whole_only or not gate.survey.decodes or gate.prefill_tokens
-                or request is self._stopped_climb):
+    def _short_prompt_waits(self, gate: PrefillGate) -> bool:
+        """Whether one of the first ``SHORT_PROMPT_SCAN`` waiting prompts may go whole ahead of a running
+        prompt's token chunk (``PrefillGate.short_prompt_first``): admissible now and, under the
+        ``priority`` policy, of that prompt's rank or higher. Not only the queue's head: a long prompt
+        waiting there for the chunked one to finish lets the short ones behind it pass."""
+        if not gate.survey.prefills or not self.waiting:
             return False
-        num_new = self._layered_chunk(request, num_computed, token_budget)
-        controller = self.budget_controller
-        return (controller is not None and num_new > gate.allowance_left and may_layer(self.config, request, num_new)
-                and controller.prefers_layers(gate.survey, num_new, num_computed, self.config.num_layers))
-
-    def _layered_chunk(self, request: Request, num_computed: int, token_budget: int) -> int:
-        """The tokens a layered prefill of ``request`` takes: all it has left, as far as the step holds
-        beside a decode of every other running request, less ``CLIMB_SEATS`` (room for the streams short
-        prompts may start while it climbs). Beside the others, not at its place in the running order: a
-        request ahead of 40 streams under the priority policy, sized to the whole budget, never fitted."""
-        others = len(self.running) - (request.status == RequestStatus.RUNNING)
-        room = min(token_budget, self.config.max_num_batched_tokens - others) - CLIMB_SEATS
-        return self._clamp(request.num_tokens - num_computed, num_computed, max(room, 2))
-
-    def _start_running_layered(self, step: StepPlan, request: Request, token_budget: int) -> bool:
-        """A running request mid-prompt (resumed, or chunked before streams were decoding) continues by
-        layer groups when the free blocks hold its chunk (else False: a token chunk, which may preempt)."""
-        num_new = self._layered_chunk(request, request.num_computed_tokens, token_budget)
-        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, cache=False)
-        if new_blocks is None:
-            return False
-        step.cached_reqs.append(CachedRequestData(
-            req_id=request.request_id, new_block_ids=[block.block_id for block in new_blocks],
-            num_computed_tokens=request.num_computed_tokens))
-        self._layered = LayeredPrefill(request, num_new, request.num_computed_tokens)
-        step.gate.close()
-        return True
-
-    def _schedule_layer_group(self, step: StepPlan) -> None:
-        """The layered prefill's next group of layers, after everybody else: it waits a step while the
-        step cannot hold its chunk. Its last group counts the chunk as computed and samples."""
-        layered = self._layered
-        assert layered is not None and self.budget_controller is not None  # layered only under the controller
-        request = layered.request
-        self._yielded = step.gate.prefill_tokens > 0  # short prompts took this step's room
-        if self._yielded or layered.num_tokens > step.token_budget or request.held:
-            return
-        num_layers = self.config.num_layers
-        layers = self.budget_controller.layer_group(step.gate.survey, layered.num_tokens, layered.num_computed,
-                                                    num_layers, layered.next_layer)
-        if layers == 0:  # a layer overruns the room: it goes on in token chunks from the next step, all layers
-            self._layered, self._stopped_climb = None, request
-            return
-        start, end = layered.span(layers, num_layers)
-        req_id = request.request_id
-        if start > 0:  # the first group's step carried its blocks (admission, _start_running_layered)
-            step.cached_reqs.append(CachedRequestData(req_id=req_id, new_block_ids=[],
-                                                      num_computed_tokens=layered.num_computed))
-        step.layer_spans[req_id] = (start, end)
-        step.num_scheduled_tokens[req_id] = layered.num_tokens
-        step.token_budget -= layered.num_tokens
-        step.gate.commit_layer_group(layered.num_tokens, layered.num_computed, (end - start) / num_layers)
-        if end < num_layers:
-            layered.next_layer = end
-            return
-        self.kv_cache_manager.allocate_slots(request, layered.num_tokens)  # its blocks now serve prefix hits
-        self._advance(request, layered.num_tokens)
-        self._layered = None
-        self._num_layered_prefills += 1
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        """As the ledger's, and a prompt that finishes (an abort) while climbing stops climbing."""
-        if self._layered is not None and request is self._layered.request:
-            self._layered = None
-        super()._finish(request, status)
+        chunked = next(r for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
+        free = self.kv_cache_manager.num_free_blocks
+        for request in islice(self.waiting, SHORT_PROMPT_SCAN):
+            if (self._admissible(request) and gate.short_prompt_first(request, len(self.running), self.config, free)
+                    and (self.config.policy != "priority" or request.priority <= chunked.priority)):
+                return True
+        return False
 
     def _outranks_none_waiting(self, prompt: Request) -> bool:
         """Whether a running ``prompt`` may give a step to the queue's first prompt: always, but under

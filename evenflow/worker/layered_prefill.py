@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from evenflow.protocol import SchedulerOutput
 from evenflow.worker.attention.base import AttentionInputs
 
 
@@ -97,9 +98,14 @@ class LayeredHiddenStore:
     def __len__(self) -> int:
         return len(self._hidden)
 
-    def drop(self, req_ids: list[str]) -> None:
-        for req_id in req_ids:
-            self._hidden.pop(req_id, None)
+    def drop_uncontinued(self, so: SchedulerOutput) -> None:
+        """Drop the streams no group continues: a request that ended, restarted, or went on in token
+        chunks (its climb stopped)."""
+        new = {req.req_id for req in so.scheduled_new_reqs}
+        ended = set(so.finished_req_ids) | set(so.preempted_req_ids)
+        for req_id in [r for r in self._hidden if r in ended or r in new
+                       or (r in so.num_scheduled_tokens and r not in so.layer_spans)]:
+            del self._hidden[req_id]
 
     def take(self, rows: LayeredRows, step_id: int) -> torch.Tensor | None:
         """The stream a span starting past layer 0 continues (None for a first span)."""

@@ -207,10 +207,8 @@ class ModelRunner:
         so = scheduler_output
         t0 = time.perf_counter()
         self.batch.update(so)
-        if len(self.layered_hidden):  # streams no group continues: ended, restarted, or gone on in token chunks
-            self.layered_hidden.drop(so.finished_req_ids + so.preempted_req_ids
-                                     + [new.req_id for new in so.scheduled_new_reqs]
-                                     + [r for r in so.num_scheduled_tokens if r not in so.layer_spans])
+        if len(self.layered_hidden):
+            self.layered_hidden.drop_uncontinued(so)
         idle = so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens
         self.prompt_logprobs.update(so)
         if self.lora is not None:

@@ -133,18 +133,10 @@ class PrefillGate:
         self.whole_only = True
         self.seats = seats
 
-    def short_prompt_first(self, head: Request, num_running: int, config: SchedulerConfig,
-                           num_free_blocks: int) -> bool:
-        """Whether a prompt runs in token chunks while ``head``, first in the queue and admissible,
-        would prefill whole within this step's allowance, with a seat and the blocks for it. (The chunk
-        took the allowance and a short prompt waited for every chunk: beside the small model's chunked
-        2048-token prompts the streams' new prompts waited ~1 s at p99.) Under the partial-prefill
-        bounds it goes beside."""
-        if not self.survey.prefills or self.bounded or num_running >= config.max_num_seqs:
-            return False
-        return (1 < head.num_tokens <= self.allowance_left
-                and head.num_tokens + self.survey.decodes <= config.max_num_batched_tokens
-                and -(-head.num_tokens // config.block_size) <= num_free_blocks)
+    def fits_whole(self, request: Request, max_num_batched_tokens: int) -> bool:
+        """Whether a waiting prompt would prefill whole within this step's allowance, beside its decodes."""
+        return (1 < request.num_tokens <= self.allowance_left
+                and request.num_tokens + self.survey.decodes <= max_num_batched_tokens)
 
     def commit_layer_group(self, num_new: int, num_computed: int, share: float) -> None:
         """Count a layered prefill's step: its chunk through ``share`` of the layers, and no other."""

@@ -72,7 +72,8 @@ class Scheduler(LayeredSteps):
             # ... but for short prompts, every other step at most, while its groups keep their room in
             # the token budget beside the streams they start (layered_prefill.py)
             seats = config.max_num_batched_tokens - self._layered.num_tokens - (len(self.running) - 1)
-            if self._yielded or seats <= 0 or not self._outranks_none_waiting(self._layered.request):
+            if (self._yielded or seats <= 0
+                    or self.waiting and not self._may_pass(self.waiting.peek(), self._layered.request)):
                 gate.close()
             else:
                 gate.whole_prompts_only(seats)
@@ -208,24 +209,25 @@ class Scheduler(LayeredSteps):
         step.token_budget = token_budget
 
     def _short_prompt_waits(self, gate: PrefillGate) -> bool:
-        """Whether one of the first ``SHORT_PROMPT_SCAN`` waiting prompts may go whole ahead of a running
-        prompt's token chunk (``PrefillGate.short_prompt_first``): admissible now and, under the
-        ``priority`` policy, of that prompt's rank or higher. Not only the queue's head: a long prompt
-        waiting there for the chunked one to finish lets the short ones behind it pass."""
-        if not gate.survey.prefills or not self.waiting:
+        """Whether a prompt runs in token chunks while one of the first ``SHORT_PROMPT_SCAN`` waiting
+        prompts would go whole ahead of its next chunk: admissible now, prefilled whole within the step's
+        allowance (``PrefillGate.fits_whole``), its blocks free, and allowed to pass it (``_may_pass``).
+        (The chunk took the allowance and a short prompt waited for every chunk: beside the small model's
+        chunked 2048-token prompts the streams' new prompts waited ~1 s at p99.) Not only the queue's
+        head: a long prompt waiting there for the chunked one lets the short ones behind it pass. Under
+        the partial-prefill bounds short prompts go beside it already."""
+        if (not gate.survey.prefills or gate.bounded or not self.waiting
+                or len(self.running) >= self.config.max_num_seqs):
             return False
         chunked = next(r for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
-        free = self.kv_cache_manager.num_free_blocks
-        for request in islice(self.waiting, SHORT_PROMPT_SCAN):
-            if (self._admissible(request) and gate.short_prompt_first(request, len(self.running), self.config, free)
-                    and (self.config.policy != "priority" or request.priority <= chunked.priority)):
-                return True
-        return False
+        return any(self._admissible(request) and gate.fits_whole(request, self.config.max_num_batched_tokens)
+                   and self._pool_holds_prompt(request) and self._may_pass(request, chunked)
+                   for request in islice(self.waiting, SHORT_PROMPT_SCAN))
 
-    def _outranks_none_waiting(self, prompt: Request) -> bool:
-        """Whether a running ``prompt`` may give a step to the queue's first prompt: always, but under
-        the ``priority`` policy to a lower-priority one."""
-        return self.config.policy != "priority" or not self.waiting or self.waiting.peek().priority <= prompt.priority
+    def _may_pass(self, waiting: Request, running: Request) -> bool:
+        """Whether a ``waiting`` prompt may take a step from a ``running`` one's prefill: always, but
+        under the ``priority`` policy only one of its rank or higher."""
+        return self.config.policy != "priority" or waiting.priority <= running.priority
 
     def _ready_to_admit(self, request: Request) -> bool:
         """Whether a waiting request may be admitted now; False: it keeps its place (or it has
@@ -243,13 +245,14 @@ class Scheduler(LayeredSteps):
         # Its adapter must be loaded, and may not be one more than max_loras among the running.
         return self.lora_slots is None or self.lora_slots.admits(request, self.running)
 
-    def _pool_holds_prompt(self, request: Request, computed: ComputedBlocks) -> bool:
-        """Whether the free blocks hold all of a waiting request's known tokens, not only its first
+    def _pool_holds_prompt(self, request: Request, computed: ComputedBlocks | None = None) -> bool:
+        """Whether the free blocks hold all of a waiting request's known tokens (past its cached prefix,
+        when ``computed`` is given), not only its first
         chunk: admitted on one chunk's blocks, a prompt took the rest from the running requests as
         its chunks came, and they were preempted to recompute (Poisson load, real model, KV full:
         21-26 preemptions with chunks of ~200 tokens against 5-6 with 2048-token steps, which
         admit a prompt only on all its blocks)."""
-        needed = -(-request.num_tokens // self.config.block_size) - len(computed.blocks)
+        needed = -(-request.num_tokens // self.config.block_size) - (len(computed.blocks) if computed else 0)
         return needed <= self.kv_cache_manager.num_free_blocks
 
     def _computed_blocks(self, request: Request) -> ComputedBlocks:

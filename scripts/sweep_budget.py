@@ -42,6 +42,7 @@ from evenflow.bench.serving import (
     args_config,
     format_engine,
     options_from_args,
+    result_json,
     run_benchmark,
     vocab_size_of,
     write_json,
@@ -71,6 +72,10 @@ def measure_budget(args: argparse.Namespace, budget: int | None, vocab: int,
         with ManagedServer(spec):
             opts = options_from_args(args, spec.base_url)
             result = run_benchmark(workload_from_args(args, vocab), opts)
+            if args.save_requests:
+                path = args.out_dir / f"requests_{cfg.label}.json"
+                write_json(path, result_json(result, args_config(args), keep_records=True))
+                print(f"wrote {path}")
             print(format_table(result.stats))
             print(format_engine(result))
             capacity = None
@@ -169,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     exit_on_sigterm()
     fit_to_model(args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.capacity and args.slo_itl_ms is None and args.slo_ttft_ms is None:
         parser.error("--capacity needs --slo-itl-ms and/or --slo-ttft-ms")
     vocab = args.vocab_size or vocab_size_of(args.model_dir) or DEFAULT_VOCAB_SIZE

@@ -47,6 +47,7 @@ class BenchResult:
     stats: RunStats
     engine: EngineNumbers
     records: list[RequestRecord]
+    started_unix_s: float = 0.0  # wall clock at the records' time 0: ties them to an engine's trace
 
 
 class Progress:
@@ -95,7 +96,7 @@ async def run_workload(workload: Workload, opts: RunOptions) -> BenchResult:
             await _warmup(client, opts.warmup_requests, workload.vocab_size, workload.seed)
         watcher = MetricsWatcher(opts.base_url, opts.metrics_interval_s)
         await watcher.start()
-        t0 = time.perf_counter()
+        t0, started_unix_s = time.perf_counter(), time.time()
 
         async def send(prompt_ids: list[int], output_len: int, kind: str) -> None:
             progress.inflight += 1
@@ -124,7 +125,8 @@ async def run_workload(workload: Workload, opts: RunOptions) -> BenchResult:
                 break
         progress.show(time.perf_counter() - t0, final=True)
         engine = await watcher.stop()
-    return BenchResult(workload.name, opts.base_url, model, run_stats(records, opts.slo), engine, records)
+    return BenchResult(workload.name, opts.base_url, model, run_stats(records, opts.slo), engine, records,
+                       started_unix_s)
 
 
 async def _send_schedule(workload: Workload, send: Send, t0: float) -> None:

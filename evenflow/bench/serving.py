@@ -35,7 +35,7 @@ DEFAULT_VOCAB_SIZE = 1000  # safe for any real vocabulary when nothing better is
 
 def add_run_args(parser: argparse.ArgumentParser, standalone: bool = True) -> None:
     """Flags for how a run is made (SLOs, output), shared by the other scripts; ``standalone`` adds
-    the server's address and checkpoint, which the scripts that launch servers define themselves."""
+    the server's address, checkpoint and ``--out``, which the scripts that launch servers define themselves."""
     g = parser.add_argument_group("run")
     if standalone:
         g.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -50,8 +50,10 @@ def add_run_args(parser: argparse.ArgumentParser, standalone: bool = True) -> No
     g.add_argument("--warmup-requests", type=int, default=2)
     g.add_argument("--metrics-interval", type=float, default=1.0, help="seconds between /metrics polls")
     g.add_argument("--no-progress", action="store_true")
-    g.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
-    g.add_argument("--save-requests", action="store_true", help="include every request record in --out")
+    if standalone:  # the scripts that launch servers write into their --out-dir
+        g.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    g.add_argument("--save-requests", action="store_true",
+                   help="keep every request record (with --out; sweep_budget.py and bench_peer.py: in --out-dir)")
 
 
 def options_from_args(args: argparse.Namespace, base_url: str | None = None) -> RunOptions:

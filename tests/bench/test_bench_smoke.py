@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from pathlib import Path
 
 from evenflow.bench import serving as bench_serving
@@ -134,6 +135,7 @@ def test_bench_serving_interference_on_fake_server(fake_server: str, tmp_path: P
     assert groups["steady"]["itl"]["count"] == groups["steady"]["output_tokens"] - groups["steady"]["completed"]
     assert groups["all"]["goodput"] > 0
     assert all(r["output_tokens"] == r["output_len"] for r in data["records"])
+    assert abs(data["started_unix_s"] - time.time()) < 60 and all(r["start_s"] >= 0 for r in data["records"])
     assert data["engine"]["steps"] > 0 and data["engine"]["preemptions"] == 0
 
 
@@ -155,10 +157,13 @@ def test_sweep_budget_with_capacity(fake_model_dir: Path, tmp_path: Path) -> Non
         "--long-interval", "0.5", "--long-first", "0.2", "--capacity", "--slo-itl-ms", "1000",
         "--capacity-duration", "0.5", "--capacity-rate-start", "4", "--capacity-max-rate", "8",
         "--capacity-iters", "1", "--prompt-len-median", "32", "--output-len-median", "4", "--no-progress",
-        "--out-dir", str(out_dir), "--log-dir", str(tmp_path / "logs"),
+        "--out-dir", str(out_dir), "--log-dir", str(tmp_path / "logs"), "--save-requests",
     ])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     points = json.loads((out_dir / "sweep.json").read_text())["points"]
+    for label in ("128", "unchunked"):  # each run's records, kept when asked
+        records = json.loads((out_dir / f"requests_{label}.json").read_text())["records"]
+        assert {r["kind"] for r in records} == {"steady", "long"}
     assert [p["label"] for p in points] == ["128", "unchunked"] and points[1]["budget"] == 2048
     assert all(p["capacity"]["rate"] == 8 for p in points)  # the fake server meets a 1 s SLO at 8 req/s
     assert (out_dir / "sweep.png").stat().st_size > 10_000

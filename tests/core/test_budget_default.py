@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -160,6 +161,8 @@ def test_the_trace_writes_each_planned_step(tmp_path: Path, monkeypatch: pytest.
     last = [r for r in rows if r["prefill_tokens"]][-1]
     assert last["target_ms"] == 10.0 and last["decodes"] >= NUM_STREAMS and 0 < last["prefill_tokens"] <= last["allowance"]
     assert last["measured_ms"] == pytest.approx(last["predicted_ms"], rel=0.02)  # a noiseless machine, fitted
+    times = [r["unix_s"] for r in rows]  # the wall clock ties a step to a client's records
+    assert times == sorted(times) and abs(times[-1] - time.time()) < 60
 
 
 def test_a_chunk_with_no_decodes_beside_it_does_not_grant_trust() -> None:

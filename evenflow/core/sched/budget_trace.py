@@ -3,13 +3,14 @@
 Off unless ``$EVENFLOW_BUDGET_TRACE`` names a file: then every planned step that carried decodes
 appends one JSON line when its time arrives: the target and the aim it was planned to, what the
 decodes alone were predicted to take, the allowance and which rule bound it, the prompt tokens
-that used it, and the predicted and measured step.
+that used it, and the predicted and measured step, and the wall clock.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict, dataclass
 from typing import IO
 
@@ -30,6 +31,7 @@ class PlannedStep:
     prefill_tokens: int = 0  # what the step's prompt chunks took of the allowance
     predicted_ms: float = 0.0
     measured_ms: float = 0.0
+    unix_s: float = 0.0  # wall clock when its time arrived: ties the step to a client's records
 
 
 class BudgetTrace:
@@ -44,4 +46,5 @@ class BudgetTrace:
         return cls(open(path, "a", buffering=1)) if path else None  # line-buffered: a killed engine keeps its trace
 
     def write(self, step: PlannedStep) -> None:
+        step.unix_s = time.time()
         self.file.write(json.dumps(asdict(step)) + "\n")

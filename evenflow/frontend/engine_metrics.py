@@ -57,6 +57,9 @@ ENGINE_METRICS: list[EngineMetric] = [
                  lambda e: e.workers.forward_s),
     EngineMetric("evenflow:worker_idle_seconds_total", "counter",
                  "Seconds the workers waited on the engine-core while it had work.", lambda e: e.workers.idle_s),
+    EngineMetric("evenflow:worker_contended_steps_total", "counter",
+                 "Steps rank 0 ran on every core while another process held one (the adaptive budget learns "
+                 "nothing from their times).", lambda e: e.workers.num_contended_steps),
     # The adaptive budget (--target-itl-ms; all 0 with a fixed budget). Its histogram: token_budget_histogram.
     EngineMetric("evenflow:target_itl_seconds", "gauge", "Step-time target of the adaptive budget (0: fixed budget).",
                  lambda e: e.budget.target_itl_s),

@@ -44,6 +44,7 @@ class WorkerTimingStats(Struct, array_like=True):
     forward_s: float = 0.0  # the forward pass
     sample_s: float = 0.0  # sampling
     idle_s: float = 0.0  # waiting for the engine-core while it had work
+    num_contended_steps: int = 0  # steps run on every core while another process held one
 
 
 class GrammarStats(Struct, array_like=True):

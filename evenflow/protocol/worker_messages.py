@@ -98,6 +98,9 @@ class ModelRunnerOutput(Struct, tag="mro", array_like=True):
     lora_evicted: list[str] = []
     # The prompt rows this step computed, for requests with SamplingParams.prompt_logprobs.
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
+    # Rank 0 ran this step on every core while another process held one (its threads waited for a
+    # CPU, evenflow/worker/threads.py): its time is the neighbour's, not what the step's shape costs.
+    contended: bool = False
 
 
 class WorkerConfig(Struct, forbid_unknown_fields=True):

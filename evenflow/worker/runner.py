@@ -259,6 +259,7 @@ class ModelRunner:
         out = self._output(so.step_id, inputs, targets, num_emitted, logprobs, proposals, t1 - t0, forward_s,
                            max(t3 - t1 - forward_s, 0.0))
         out.prompt_logprobs = prompt_logprobs
+        out.contended = self.threads.contended
         return self._lora_report(out)
 
     def _layered_forward(self, so: SchedulerOutput, inputs: StepInputs) -> LayeredForward | None:

@@ -113,7 +113,8 @@ class ThreadSetter:
     core directly, even when the best cost seen was itself measured on a busy machine. Once long
     steps of its size have run on fewer threads, such a step counts only when it did not beat their
     cost by ``FEWER_THREADS_MARGIN``: a core shared with the engine's own processes slows every
-    core's steps a little, and fewer threads slow them more.
+    core's steps a little, and fewer threads slow them more. Every such step is ``contended``: the
+    engine-core's budget controller learns nothing from its time (the neighbour's, not the step's).
 
     ``weight_bytes``: what one step streams regardless of its size (this rank's weights).
     """
@@ -131,6 +132,7 @@ class ThreadSetter:
         self.retry_gap = MIN_RETRY_GAP
         self.slow_streak = 0  # consecutive long steps over the contention factor
         self._step: tuple[int, float] | None = None  # (size bucket, flops) of a long step
+        self.contended = False  # the last step ran on every core while a core was busy elsewhere
 
     def is_long(self, flops: float) -> bool:
         return self.weight_seconds + flops / CORE_FLOPS >= LONG_STEP_SECONDS
@@ -139,6 +141,7 @@ class ThreadSetter:
         """Set the thread count for a step of ``num_tokens`` tokens and ``flops`` (estimated)."""
         plan = self.plan
         self._step = None
+        self.contended = False
         if plan is None:
             return
         wanted = plan.small
@@ -178,6 +181,7 @@ class ThreadSetter:
         queued = (waited is not None and waited > RUN_QUEUE_WAIT_LIMIT
                   and (fewer is None or cost >= FEWER_THREADS_MARGIN * fewer))
         if queued or (best is not None and cost > CONTENTION_FACTOR * best):
+            self.contended = True  # whether or not it is the streak's first
             self.slow_streak += 1
             # A retry after a fallback needs no confirmation: contention was already seen.
             if self.slow_streak < CONTENTION_STREAK and self.retry_gap == MIN_RETRY_GAP:

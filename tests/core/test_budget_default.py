@@ -128,6 +128,32 @@ def test_the_aim_comes_back_within_a_window_after_a_burst_of_slow_steps() -> Non
     assert len(carried) > 50 and np.median(carried) >= target_s * 0.85
 
 
+def test_steps_run_while_a_core_was_taken_teach_the_controller_nothing() -> None:
+    """Four steps at 3x their time that the worker marks ``contended`` (its threads waited for a CPU)
+    leave the controller as it was: the same allowances after them as on an undisturbed machine. The
+    same steps unmarked pull the aim down and shrink the prompt's chunks (served, one neighbour's few
+    seconds pinned the aim at its floor and prompts waited 4-5 s for a first token)."""
+    machine = SyntheticMachine()
+    runs = {name: scheduler_with_streams(target_itl_ms=10.0) for name in ("quiet", "marked", "unmarked")}
+    chunks: dict[str, list[int]] = {name: [] for name in runs}
+    for i in range(400):
+        for name, scheduler in runs.items():
+            keep_a_long_prompt_waiting(scheduler, i)
+            output = scheduler.schedule()
+            req_ids = list(output.num_scheduled_tokens)
+            sampled = [[7] if scheduler.requests[r].num_output_placeholders else [] for r in req_ids]
+            busy = name != "quiet" and 300 <= i < 304
+            seconds = machine.step_seconds(output) * (3.0 if busy else 1.0)
+            scheduler.update_from_output(output, ModelRunnerOutput(
+                output.step_id, req_ids, sampled, forward_s=seconds, contended=busy and name == "marked"))
+            if i >= 304:
+                chunks[name].append(sum(n for r, n in output.num_scheduled_tokens.items() if not r.startswith("stream")))
+    assert chunks["marked"] == chunks["quiet"]
+    aims = {name: s.budget_controller.aim.share for name, s in runs.items()}  # type: ignore[union-attr]
+    assert aims["marked"] == pytest.approx(aims["quiet"], rel=1e-3) and aims["unmarked"] < 0.8 * aims["quiet"], aims
+    assert sum(chunks["unmarked"]) < 0.9 * sum(chunks["quiet"])
+
+
 def test_a_prompt_gets_its_share_when_the_decodes_alone_take_the_target() -> None:
     """Decodes alone over the target: the long prompt gets a fifth of each step, not the 16-token floor,
     so its prefill takes about 5x its own compute at most."""

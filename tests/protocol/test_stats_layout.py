@@ -33,7 +33,7 @@ def _full() -> SchedulerStats:
                                   num_generation_tokens=6, num_scheduled_tokens=7, schedule_s=0.5, update_s=0.25,
                                   num_layered_prefills=8, num_layer_group_steps=9, num_layered_prefills_stopped=1),
         kv_cache=KVCacheStats(usage=0.5, prefix_cache_queries=10, prefix_cache_hits=4),
-        workers=WorkerTimingStats(prepare_s=1.0, forward_s=2.0, sample_s=3.0, idle_s=4.0),
+        workers=WorkerTimingStats(prepare_s=1.0, forward_s=2.0, sample_s=3.0, idle_s=4.0, num_contended_steps=2),
         grammar=GrammarStats(compile_buckets=[1, 0, 2], compile_s=0.125, cache_hits=1),
         budget=TokenBudgetStats(target_itl_s=0.05, token_budget=300, token_budget_log2_counts=[0, 1],
                                 token_budget_sum=300, step_predicted_s=0.1, step_measured_s=0.2,
@@ -45,7 +45,7 @@ def _full() -> SchedulerStats:
 
 def test_each_owner_is_one_array_in_order() -> None:
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(_full()))
-    assert wire == [[2, 1, 3, 4, 5, 6, 7, 0.5, 0.25, 8, 9, 1], [0.5, 10, 4], [1.0, 2.0, 3.0, 4.0], [[1, 0, 2], 0.125, 1],
+    assert wire == [[2, 1, 3, 4, 5, 6, 7, 0.5, 0.25, 8, 9, 1], [0.5, 10, 4], [1.0, 2.0, 3.0, 4.0, 2], [[1, 0, 2], 0.125, 1],
                     [0.05, 300, [0, 1], 300, 0.1, 0.2, 2, 1], [1, 2, 1, [1, 0]]]
 
 

@@ -181,3 +181,23 @@ def test_the_run_queue_wait_of_this_process_is_readable() -> None:
         pytest.skip("no /proc/self/task/*/schedstat here")
     second = process_run_queue_wait()
     assert second is not None and second >= first >= 0.0
+
+
+def test_a_step_on_every_core_that_waited_for_one_is_marked_contended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its time is the neighbour's: the budget controller learns nothing from it (budget_controller.py).
+    The first such step too, before a second confirms the fallback; fallback steps and short ones are
+    the machine's as it is, so they are not marked."""
+    FakeTorch(monkeypatch)
+    queue = FakeRunQueue()
+    setter = ThreadSetter(StepThreads(1, 2), TINY * 4, queue.read)
+
+    def step(flops: float, wait: float) -> tuple[int, bool]:
+        queue.per_second = wait
+        setter.before_step(flops, 264)
+        queue.advance(0.05)
+        setter.after_step(0.05)
+        return setter.current, setter.contended
+
+    assert [step(1e10, 0.3) for _ in range(20)] == [(2, False)] * 20
+    assert [step(1e10, 0.8) for _ in range(3)] == [(2, True), (2, True), (1, False)]
+    assert step(1e3, 0.8) == (1, False)  # a short step: not measured

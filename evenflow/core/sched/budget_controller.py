@@ -316,6 +316,9 @@ class BudgetController:
         seconds = result.wait_s + result.prepare_s + result.forward_s + result.sample_s
         if planned is None or seconds <= 0:
             return
+        if result.contended:
+            self._count_contended(planned, seconds)
+            return
         if planned.has_decodes and (seconds <= self.target_s or seconds <= TRUSTED_ERROR * planned.predicted_s):
             self.largest_prefill_seen = max(self.largest_prefill_seen, planned.prefill_tokens)
         if planned.layers:
@@ -332,6 +335,21 @@ class BudgetController:
             source = (f"auto: {self.auto.decode_step_s * 1e3:.1f} ms decode step" if self.auto is not None
                       else "--target-itl-ms")
             self._log.write(self.stats, self.target_s, self.aim_s, source, self.max_tokens)
+
+    def _count_contended(self, planned: _Planned, seconds: float) -> None:
+        """A step the worker ran while another process held a core (``ModelRunnerOutput.contended``):
+        the streams waited for it, so the stats count it, but its time is not what its shape costs on
+        this machine, so neither the fit, the aim, the layer prices, the trust nor the derived target
+        learn from it. (Taught by it, one neighbour's few seconds pinned the aim at its floor for the
+        next 256 prompt steps and the fit priced 3 decodes at 2.3x their cost: the prompts that
+        arrived then got 16 tokens a step and waited 4-5 s for their first token, served on the real
+        GGUF.) The worker leaves the busy core to it for the steps that follow; their times, on
+        fewer threads, are the machine's, and are learnt."""
+        if planned.has_decodes and planned.predicted_s > 0 and self.model.num_observations >= MIN_OBSERVATIONS:
+            self.stats.count_step(planned.predicted_s, seconds, self.target_s)
+        if planned.trace is not None and self._trace is not None:
+            planned.trace.measured_ms, planned.trace.contended = seconds * 1e3, True
+            self._trace.write(planned.trace)
 
     @property
     def aim_s(self) -> float:

@@ -32,6 +32,7 @@ class PlannedStep:
     predicted_ms: float = 0.0
     measured_ms: float = 0.0
     unix_s: float = 0.0  # wall clock when its time arrived: ties the step to a client's records
+    contended: bool = False  # a core was busy elsewhere: the controller learnt nothing from it
 
 
 class BudgetTrace:

@@ -83,6 +83,12 @@ def server_config(args: argparse.Namespace, budget: int | None) -> ServerConfig:
     )
 
 
+# `python -m` puts the working directory first on sys.path (Python 3.11+ leaves it off with this): run
+# from a checkout, the server imported that checkout's evenflow even where $PYTHONPATH named another
+# tree, so an arm meant to measure older code measured the checkout's.
+EVENFLOW_SERVER_ENV = {"PYTHONSAFEPATH": "1"}
+
+
 def server_spec(args: argparse.Namespace, engine: str, cfg: ServerConfig) -> ServerSpec:
     """How to launch ``engine`` ("evenflow" or "vllm") for ``cfg`` on a fresh free port."""
     port = free_port()
@@ -90,7 +96,7 @@ def server_spec(args: argparse.Namespace, engine: str, cfg: ServerConfig) -> Ser
     if engine == "evenflow":
         cfg = dataclasses.replace(cfg, extra_args=args.engine_args.split())
         argv = template_argv(args.server_cmd, cfg, port) if args.server_cmd else evenflow_argv(cfg, port)
-        return ServerSpec(engine, argv, {}, port, log, args.ready_timeout)
+        return ServerSpec(engine, argv, dict(EVENFLOW_SERVER_ENV), port, log, args.ready_timeout)
     cfg = dataclasses.replace(cfg, extra_args=args.peer_args.split())
     if args.peer_cmd:
         return ServerSpec(engine, template_argv(args.peer_cmd, cfg, port), {}, port, log, args.ready_timeout)

@@ -16,9 +16,9 @@ enough to prefill whole within a step's allowance: that one takes a step between
 two steps in a row), so a short request's first token waits for one step, not for the whole climb
 (beside the climbs of 2048-token prompts, served on the real GGUF, the streams' new prompts had a
 p99 TTFT of ~1 s, 1.6-2.5x the fixed budget's). Each such prompt then decodes beside the groups, a
-token a step, so the climb's chunk leaves ``CLIMB_SEATS`` of the token budget for them (a prompt
-whose rest that does not hold goes in token chunks until it does: ``_layer_instead``): sized to the
-whole budget, a climb beside two more streams no longer fit a step and waited ~4 s for them to finish. The workers keep its residual stream between its steps
+token a step, so the climb's chunk leaves ``CLIMB_SEATS`` of the token budget for them (its last
+tokens go in a chunk after it): sized to the whole budget, a climb beside two more streams no longer
+fit a step and waited ~4 s for them to finish. The workers keep its residual stream between its steps
 (evenflow/worker/layered_prefill.py).
 """
 

@@ -25,21 +25,15 @@ class LayeredSteps(RequestLedger):
     def _layer_instead(self, step: StepPlan, request: Request, num_computed: int, token_budget: int) -> bool:
         """Whether ``request``'s prompt goes by layer groups rather than in token chunks: the adaptive
         budget would cut it, streams are decoding beside it, no prompt chunk or other layered prefill has
-        this step's room, one climb takes all it has left, and one of its layers fits the step
-        (BudgetController.prefers_layers). A prompt too long for one climb goes in token chunks until its
-        rest fits one: a climb that left a tail took one more step for it after its last group, where
-        a chunk first fills the step the climb's first group would have, and the climb ends with the
-        first token (a 2048-token prompt beside 6 streams, within a 2048-token budget, always left one)."""
+        this step's room, and one of its layers fits the step (BudgetController.prefers_layers)."""
         gate = step.gate
-        left = request.num_tokens - num_computed
-        if (not self.config.num_layers or left <= 1 or self._layered is not None
+        if (not self.config.num_layers or request.num_tokens - num_computed <= 1 or self._layered is not None
                 or gate.is_open or gate.whole_only or not gate.survey.decodes or gate.prefill_tokens
                 or request is self._stopped_climb):
             return False
         num_new = self._layered_chunk(request, num_computed, token_budget)
         controller = self.budget_controller
-        return (controller is not None and num_new > gate.allowance_left
-                and num_new == self._clamp(left, num_computed, left) and may_layer(self.config, request, num_new)
+        return (controller is not None and num_new > gate.allowance_left and may_layer(self.config, request, num_new)
                 and controller.prefers_layers(gate.survey, num_new, num_computed, self.config.num_layers))
 
     def _layered_chunk(self, request: Request, num_computed: int, token_budget: int) -> int:

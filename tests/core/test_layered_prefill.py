@@ -393,3 +393,24 @@ def test_a_short_prompt_behind_a_waiting_long_one_passes_it_between_two_chunks()
     assert any(o.num_scheduled_tokens.get("short") == 16 for o in outputs)
     assert not any("long-2" in o.num_scheduled_tokens for o in outputs)
     assert scheduler.waiting.peek().request_id == "long-2"
+
+
+def test_a_climb_trusted_with_nothing_else_doubles_its_layers_each_step() -> None:
+    """Right after start-up no chunk has run beside the streams, so trust knows only the climb's own
+    groups: each that kept the target lets the next take twice its layers. (Rounded to whole tokens, a
+    128-token prompt's one layer, 4.27 tokens, trusted 1.9 layers: it climbed one layer a step, 30
+    steps, and the streams' other new prompts waited for it, ~3 s served.)"""
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
+    for _ in range(60):
+        run_step(scheduler, machine)
+    assert scheduler.budget_controller.largest_prefill_seen == 0  # type: ignore[union-attr]
+    add(scheduler, "short", 128)
+    spans = []
+    while scheduler.requests["short"].num_output_tokens == 0:
+        output, _ = run_step(scheduler, machine)
+        if "short" in output.layer_spans:
+            spans.append(output.layer_spans["short"])
+        assert len(spans) < 10, spans
+    sizes = [end - start for start, end in spans]
+    assert spans[-1][1] == LAYERS and all(b >= min(2 * a, LAYERS - start) for a, b, (start, _) in
+                                         zip(sizes, sizes[1:], spans[1:])), spans

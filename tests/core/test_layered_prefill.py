@@ -361,6 +361,29 @@ def test_a_climb_whose_layer_overruns_the_room_goes_on_in_token_chunks() -> None
     assert not any(o.layer_spans for o in outputs)
 
 
+def test_a_climb_whose_layer_overruns_the_room_but_not_the_target_goes_on_a_layer_a_step() -> None:
+    """Prompt tokens cost twice as much mid-climb: a layer no longer fits the aim's room, but a step of the
+    streams and one layer stays within the target, so the climb keeps its layers and goes on one a step
+    (stopped, the layers it had were lost: served, a prompt restarted in chunks 1.5 s into its climb).
+    At 3x a layer overruns the target too and the climb stops."""
+    for factor, stops in ((2.0, False), (3.0, True)):
+        scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS, per_token=0.2e-3)
+        for _ in range(60):
+            run_step(scheduler, machine)
+        add(scheduler, "long", 2000)
+        groups, slowest = 0, 0.0
+        while scheduler.requests["long"].num_output_tokens == 0:
+            output, seconds = run_step(scheduler, machine)
+            groups += "long" in output.layer_spans
+            if groups == 3:
+                machine.per_token = factor * 0.2e-3
+            if groups > 3 and "long" in output.layer_spans:
+                slowest = max(slowest, seconds)
+        stats = scheduler.get_stats().scheduler
+        assert (stats.num_layered_prefills_stopped, stats.num_layered_prefills) == ((1, 0) if stops else (0, 1))
+        assert stops or slowest <= 30e-3 * 1.001  # going on, every group within the target
+
+
 def test_a_room_that_holds_one_layer_but_not_two_keeps_the_prompt_in_token_chunks() -> None:
     """One layer a step would leave a third of every step's room unused; chunks fill it."""
     scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS, per_token=0.22e-3)

@@ -192,10 +192,13 @@ class BudgetController:
         is, in tokens x share. A shape no group measured yet runs one layer: the fit's share of a whole
         chunk overran by up to 1.7x served. (Counted as the room's, not the layers left, a last group
         of one layer priced its layer at a quarter: the next prompt's groups then ran 1.5x their
-        prediction.) 0: a layer of it, as measured, overruns the room, and the climb should stop: what
-        the fit foresaw when it started was too little (a served climb on the small demo model probed at
-        112-126 ms a layer against a ~75 ms room, then ran its other 6 layers a step each at 126-364 ms
-        instead of going on in token chunks within the target)."""
+        prediction.) 0: a layer of it, as measured, overruns the target beside the decodes (or, before its
+        first group ran, the room), and the climb should stop: what the fit foresaw when it started was too
+        little (a served climb on the small demo model probed at 112-126 ms a layer against a ~75 ms room,
+        then ran its other 6 layers a step each at 126-364 ms instead of going on in token chunks within
+        the target). A layer over the aim's room but within the target runs alone: stopped, the climb's
+        layers so far were lost (a neighbour took a core mid-climb on the real GGUF, 92-106 ms steps
+        against a 160 ms target: the prompt restarted in chunks 1.5 s into its climb)."""
         if survey.decodes == 0:
             self._bound_by = "room"
             return num_layers - next_layer
@@ -207,7 +210,9 @@ class BudgetController:
         key = price_key(num_tokens, num_computed)
         per_layer_s, measured = self._layer_price_s(cost, key, num_tokens, num_computed, num_layers)
         layers = int(room_s / per_layer_s) if per_layer_s > 0 else num_layers
-        if measured and layers < 1:
+        if measured and layers < 1 and next_layer > 0 and base_s + per_layer_s <= self.target_s:
+            layers, self._bound_by = 1, "target"
+        elif measured and layers < 1:
             self._bound_by = "overrun"
             self.stats.layered_prefills_stopped += 1
             self.layer_price.forget(key)
@@ -336,7 +341,11 @@ class BudgetController:
         if planned.trace is not None and self._trace is not None:
             planned.trace.measured_ms = seconds * 1e3
             self._trace.write(planned.trace)
-        self.model.observe(planned.shape, seconds)
+        # A layer group is priced by its own (LayerPrice), beside the fit's decodes: fitted to groups too, the
+        # fit gave the decodes a share of their slow-down (prompt tokens 2x dearer mid-climb: the decodes
+        # alone predicted at 2.1x their time), and a layer that fitted the target read as one that did not.
+        if not planned.layers:
+            self.model.observe(planned.shape, seconds)
         if self._log.due():
             source = (f"auto: {self.auto.decode_step_s * 1e3:.1f} ms decode step" if self.auto is not None
                       else "--target-itl-ms")

@@ -6,7 +6,10 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
+
+import evenflow
 
 from evenflow.bench.server import (
     DEFAULT_PEER_VENV,
@@ -83,10 +86,15 @@ def server_config(args: argparse.Namespace, budget: int | None) -> ServerConfig:
     )
 
 
-# `python -m` puts the working directory first on sys.path (Python 3.11+ leaves it off with this): run
-# from a checkout, the server imported that checkout's evenflow even where $PYTHONPATH named another
-# tree, so an arm meant to measure older code measured the checkout's.
-EVENFLOW_SERVER_ENV = {"PYTHONSAFEPATH": "1"}
+def evenflow_server_env() -> dict[str, str]:
+    """The environment an evenflow server starts in: it runs the evenflow this process imported (choose
+    another tree with $PYTHONPATH; the bench and its servers then run the same code). Without it
+    ``python -m`` put the working directory first on sys.path: launched from a checkout, the server
+    imported that checkout's evenflow whatever $PYTHONPATH said, and an arm meant to measure older code
+    measured the checkout's (PYTHONSAFEPATH, Python 3.11+, leaves the working directory off)."""
+    root = str(Path(evenflow.__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONSAFEPATH": "1", "PYTHONPATH": path}
 
 
 def server_spec(args: argparse.Namespace, engine: str, cfg: ServerConfig) -> ServerSpec:
@@ -95,8 +103,9 @@ def server_spec(args: argparse.Namespace, engine: str, cfg: ServerConfig) -> Ser
     log = args.log_dir / f"{engine}-{cfg.label}-{port}.log"
     if engine == "evenflow":
         cfg = dataclasses.replace(cfg, extra_args=args.engine_args.split())
-        argv = template_argv(args.server_cmd, cfg, port) if args.server_cmd else evenflow_argv(cfg, port)
-        return ServerSpec(engine, argv, dict(EVENFLOW_SERVER_ENV), port, log, args.ready_timeout)
+        if args.server_cmd:  # the user's command, in the user's environment
+            return ServerSpec(engine, template_argv(args.server_cmd, cfg, port), {}, port, log, args.ready_timeout)
+        return ServerSpec(engine, evenflow_argv(cfg, port), evenflow_server_env(), port, log, args.ready_timeout)
     cfg = dataclasses.replace(cfg, extra_args=args.peer_args.split())
     if args.peer_cmd:
         return ServerSpec(engine, template_argv(args.peer_cmd, cfg, port), {}, port, log, args.ready_timeout)

@@ -123,24 +123,30 @@ def test_peer_venv_and_shim_come_from_flags(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
-def test_a_server_imports_the_evenflow_its_pythonpath_names_not_the_working_directorys(tmp_path: Path) -> None:
-    """An arm of older code (a worktree on $PYTHONPATH) launched from a checkout ran the checkout's code:
-    ``python -m`` puts the working directory first on sys.path. The server's environment turns that off."""
+def test_a_server_imports_the_evenflow_the_bench_imported_not_the_working_directorys(tmp_path: Path) -> None:
+    """An arm of older code launched from a checkout ran the checkout's code: ``python -m`` puts the
+    working directory first on sys.path. A server now runs the evenflow its bench imported."""
+    import evenflow
     from evenflow.bench.launch import add_server_args, server_config, server_spec
 
-    for tree, name in ((tmp_path / "checkout", "checkout"), (tmp_path / "older", "older")):
-        (tree / "evenflow" / "frontend").mkdir(parents=True)
-        (tree / "evenflow" / "__init__.py").touch()
-        (tree / "evenflow" / "frontend" / "__init__.py").touch()
-        (tree / "evenflow" / "frontend" / "__main__.py").write_text(f"print({name!r})\n")
+    checkout = tmp_path / "checkout"
+    (checkout / "evenflow").mkdir(parents=True)
+    (checkout / "evenflow" / "__init__.py").touch()
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 64, "max_position_embeddings": 256}))
     parser = argparse.ArgumentParser()
     add_server_args(parser)
     args = parser.parse_args(["--model-dir", str(tmp_path), "--log-dir", str(tmp_path)])
     spec = server_spec(args, "evenflow", server_config(args, 64))
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "older"), **spec.env)
-    ran = subprocess.run(spec.argv, cwd=tmp_path / "checkout", env=env, capture_output=True, text=True, timeout=60)
-    assert ran.stdout.strip() == "older", ran.stdout + ran.stderr
+
+    def imported(env: dict[str, str]) -> str:  # -c, like -m, puts the working directory first
+        ran = subprocess.run([sys.executable, "-c", "import evenflow; print(evenflow.__file__)"], cwd=checkout,
+                             env=dict(os.environ, **env), capture_output=True, text=True, timeout=60)
+        return ran.stdout.strip()
+
+    assert imported({}) == str(checkout / "evenflow" / "__init__.py")  # the working directory's, without it
+    assert imported(spec.env) == str(Path(evenflow.__file__).resolve())  # the bench's, with it
+    custom = parser.parse_args(["--model-dir", str(tmp_path), "--log-dir", str(tmp_path), "--server-cmd", "x {port}"])
+    assert server_spec(custom, "evenflow", server_config(custom, 64)).env == {}  # a user's command: their env
 
 
 def test_bench_serving_interference_on_fake_server(fake_server: str, tmp_path: Path) -> None:

@@ -88,8 +88,8 @@ class _Planned:
     trace: PlannedStep | None = None
 
     @property
-    def has_prefill(self) -> bool:
-        return self.prefill_tokens > 0
+    def has_prefill(self) -> bool:  # unrounded: one layer of a short prompt in a deep model rounds to 0 tokens
+        return self.prefill_share > 0
 
 
 class BudgetController:
@@ -210,7 +210,7 @@ class BudgetController:
         key = price_key(num_tokens, num_computed)
         per_layer_s, measured = self._layer_price_s(cost, key, num_tokens, num_computed, num_layers)
         layers = int(room_s / per_layer_s) if per_layer_s > 0 else num_layers
-        if measured and layers < 1 and next_layer > 0 and base_s + per_layer_s <= self.target_s:
+        if measured and layers < 1 and next_layer > 0 and max(base_s, 0.0) + per_layer_s <= self.target_s:
             layers, self._bound_by = 1, "target"
         elif measured and layers < 1:
             self._bound_by = "overrun"
@@ -362,6 +362,7 @@ class BudgetController:
         fewer threads, are the machine's, and are learnt."""
         if planned.has_decodes and planned.predicted_s > 0 and self.model.num_observations >= MIN_OBSERVATIONS:
             self.stats.count_step(planned.predicted_s, seconds, self.target_s)
+            self.aim.follow_step(planned.has_prefill)  # one of the streams' gaps all the same
         if planned.trace is not None and self._trace is not None:
             planned.trace.measured_ms, planned.trace.contended = seconds * 1e3, True
             self._trace.write(planned.trace)

@@ -27,7 +27,7 @@ class PlannedStep:
     decodes: int
     base_ms: float  # the decodes alone, predicted
     allowance: int
-    bound_by: str  # aim, share, measured, floor, trust, room, warm-up; a layer group: layers:<rule> (probe too)
+    bound_by: str  # aim, share, measured, floor, trust, room, warm-up; a layer group: layers:<rule> (probe, target too)
     prefill_tokens: int = 0  # what the step's prompt chunks took of the allowance
     predicted_ms: float = 0.0
     measured_ms: float = 0.0

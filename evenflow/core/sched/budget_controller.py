@@ -77,7 +77,6 @@ class _Planned:
     shape: StepShape
     predicted_s: float
     has_decodes: bool
-    prefill_tokens: int = 0
     prefill_share: float = 0.0  # its prompt work in tokens through every layer, unrounded (a group: tokens x share)
     decodes_alone_s: float = 0.0  # the model's prediction of the step without its prompt chunks
     aimed: bool = False  # its allowance was sized to the aim (not forced by the share or the floor)
@@ -86,6 +85,10 @@ class _Planned:
     layer_tokens: int = 0
     layer_key: tuple[int, int] = (0, 0)
     trace: PlannedStep | None = None
+
+    @property
+    def prefill_tokens(self) -> int:
+        return round(self.prefill_share)
 
     @property
     def has_prefill(self) -> bool:  # unrounded: one layer of a short prompt in a deep model rounds to 0 tokens
@@ -305,8 +308,8 @@ class BudgetController:
             key, layers, measured_s = layered
             if measured_s >= 0:  # priced by earlier groups of its shape (LayerPrice); -1: not yet
                 predicted_s = max(alone_s, 0.0) + measured_s
-        planned = _Planned(shape, predicted_s, survey.decodes > 0, prefill_tokens, gate.prefill_tokens * gate.chunk_share,
-                           alone_s, self._bound_by not in UNAIMED, context)
+        planned = _Planned(shape, predicted_s, survey.decodes > 0, gate.prefill_tokens * gate.chunk_share, alone_s,
+                           self._bound_by not in UNAIMED, context)
         if layered is not None and gate.chunk_share < 1:
             planned.layers, planned.layer_key, planned.layer_tokens = layered[1], layered[0], gate.prefill_tokens
         if self._pending_trace is not None:

@@ -212,6 +212,7 @@ class BudgetController:
         base_s, room_s, self._bound_by = self._prompt_room(cost, survey)
         key = price_key(num_tokens, num_computed)
         per_layer_s, measured = self._layer_price_s(cost, key, num_tokens, num_computed, num_layers)
+        measured = measured and per_layer_s > 0  # a group at or under its decodes' prediction priced nothing: probe
         layers = int(room_s / per_layer_s) if per_layer_s > 0 else num_layers
         if measured and layers < 1 and next_layer > 0 and max(base_s, 0.0) + per_layer_s <= self.target_s:
             layers, self._bound_by = 1, "target"

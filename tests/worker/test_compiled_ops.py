@@ -72,6 +72,35 @@ def test_no_row_count_compiles_after_the_warm_up() -> None:
     assert sum(counters["frames"].values()) == before
 
 
+def test_no_thread_count_of_the_plan_compiles_after_the_warm_up() -> None:
+    """Dynamo guards on the thread count: a step on a count the warm-up did not compile for (the thread
+    rule's fallback while a core is taken) compiled in the step, 5.2 s served."""
+    ops = CompiledOps(32, HIDDEN, QKV, QK_END, HEAD_DIM, INTER, torch.bfloat16, torch.bfloat16, torch.float32)
+    current = torch.get_num_threads()
+    ops.warm_up((1, 2))
+    assert torch.get_num_threads() == current
+    before = sum(counters["frames"].values())
+    weights = _inputs(1)
+    try:
+        for threads in (1, 2, 1):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                a = _inputs(300)
+                ops.add_norm(a["x"], a["delta"], weights["scaled"], weights["eps_root"])
+                ops.rotary_qk(a["qkv"], a["cos"], a["sin"])
+                ops.swiglu(a["gu"])
+    finally:
+        torch.set_num_threads(current)
+    assert sum(counters["frames"].values()) == before
+    torch.set_num_threads(3 if current != 3 else 4)  # a count it was not compiled for: the guard is real
+    try:
+        with torch.inference_mode():
+            ops.swiglu(_inputs(300)["gu"])
+    finally:
+        torch.set_num_threads(current)
+    assert sum(counters["frames"].values()) > before
+
+
 def test_rows_below_the_threshold_stay_eager(ops: CompiledOps) -> None:
     assert not ops.takes(31) and ops.takes(32) and ops.takes(4096)
 

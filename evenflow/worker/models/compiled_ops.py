@@ -6,12 +6,19 @@ third of a prefill step on a 2-core CPU). Inductor fuses each group into one loo
 compiled call costs ~40 us more than an eager one (guards, wrapper), more than the fusion saves below a
 few hundred rows, so only steps of at least ``min_rows`` rows take the compiled functions, and the
 float32 reference path (no narrowing casts) never does.
+
+Inductor bakes the OpenMP thread count into a graph's loops, and dynamo guards on it: a step on another
+count than the warm-up's compiles the three graphs again, in the step. The worker's thread rule moves
+long steps to fewer threads while a core is taken (evenflow/worker/threads.py), so the warm-up compiles
+for every count a step may run on (served on the real GGUF: the first fallback's first prefill step
+compiled for 5.2 s while every stream waited).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,9 +79,21 @@ class CompiledOps:
         self.add_norm, self.rotary_qk, self.swiglu = (torch.compile(fn) for fn in (add_norm_, rotary_qk_, swiglu_))
         self._inputs = (hidden, qkv_width, head_dim, inter, act_dtype, rotary_dtype)
 
-    def warm_up(self) -> float:
-        """Compile the three graphs (or load them from inductor's cache) with the rows symbolic, so that
-        no step of any row count compiles while requests wait; returns the seconds it took."""
+    def warm_up(self, thread_counts: Iterable[int] = ()) -> float:
+        """Compile the three graphs (or load them from inductor's cache) with the rows symbolic, for each of
+        ``thread_counts`` (default: the current count), so that no step of any row count on any of them
+        compiles while requests wait; returns the seconds it took."""
+        current = torch.get_num_threads()
+        start = time.perf_counter()
+        try:
+            for count in sorted(set(thread_counts) or {current}):
+                torch.set_num_threads(count)
+                self._compile()
+        finally:
+            torch.set_num_threads(current)
+        return time.perf_counter() - start
+
+    def _compile(self) -> None:
         hidden, qkv_width, head_dim, inter, act, rotary_dtype = self._inputs
         rows = max(self.min_rows, 2)
 
@@ -83,7 +102,6 @@ class CompiledOps:
             torch._dynamo.mark_dynamic(t, 0)
             return t
 
-        start = time.perf_counter()
         # As the model holds them: the weights are plain tensors, a step's activations inference tensors
         # (dynamo guards on which, and a mismatch would compile again at the first real step).
         scaled, eps_root = torch.ones(hidden), torch.tensor(1.0)
@@ -92,16 +110,16 @@ class CompiledOps:
             self.rotary_qk(rows_dynamic(qkv_width, dtype=act), rows_dynamic(1, head_dim, dtype=rotary_dtype),
                            rows_dynamic(1, head_dim, dtype=rotary_dtype))
             self.swiglu(rows_dynamic(2 * inter, dtype=act))
-        return time.perf_counter() - start
 
     def takes(self, rows: int) -> bool:
         return rows >= self.min_rows
 
 
-def compile_layer_ops(model: LlamaModel, min_rows: int) -> str:
-    """Give ``model`` compiled elementwise groups for steps of ``min_rows`` rows or more, where it runs
-    the narrowing path: a float32 residual stream into bfloat16 projections (GGUF 4-bit weights on a
-    CPU with native bfloat16). Returns what was done, for the start-up log."""
+def compile_layer_ops(model: LlamaModel, min_rows: int, thread_counts: Iterable[int] = ()) -> str:
+    """Give ``model`` compiled elementwise groups for steps of ``min_rows`` rows or more on any of
+    ``thread_counts`` (default: the current count), where it runs the narrowing path: a float32 residual
+    stream into bfloat16 projections (GGUF 4-bit weights on a CPU with native bfloat16). Returns what was
+    done, for the start-up log."""
     linear = model.linear
     w = model._linears[0] if model._linears else None
     if not (isinstance(linear, Int4CpuLinear) and model.dtype == torch.float32 and model.device.type == "cpu"
@@ -117,11 +135,12 @@ def compile_layer_ops(model: LlamaModel, min_rows: int) -> str:
     previous = inductor_config.compile_threads
     inductor_config.compile_threads = 1  # no pool of compile processes left beside the worker
     try:
-        seconds = ops.warm_up()
+        seconds = ops.warm_up(thread_counts)
     except Exception as e:  # no C++ compiler, an inductor limit: the eager ops are the same math
         log.warning("elementwise ops stay eager: torch.compile failed (%s: %s)", type(e).__name__, e)
         return "eager (torch.compile failed)"
     finally:
         inductor_config.compile_threads = previous
     model.compiled_ops = ops
-    return f"compiled for steps of {min_rows}+ rows in {seconds:.1f} s"
+    counts = "/".join(str(n) for n in sorted(set(thread_counts) or {torch.get_num_threads()}))
+    return f"compiled for steps of {min_rows}+ rows on {counts} threads in {seconds:.1f} s"

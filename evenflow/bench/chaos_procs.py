@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from evenflow.bench.server import evenflow_server_env
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -33,7 +35,8 @@ class Proc:
     def start(self) -> None:
         with open(self.log, "ab") as f:
             self.popen = subprocess.Popen([sys.executable, *self.argv], stdout=f, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env={**os.environ, **(self.env or {})})
+                                          stdin=subprocess.DEVNULL,
+                                          env={**os.environ, **evenflow_server_env(), **(self.env or {})})
 
     @property
     def pid(self) -> int:

@@ -4,12 +4,14 @@ with a runner that sends requests at a fixed concurrency and records each one's 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evenflow.bench.server import evenflow_server_env
 from evenflow.frontend.clients.engine_client import EngineClient
 from evenflow.protocol import SamplingParams, SchedulerStats
 from evenflow.protocol.lifeline import stop_processes
@@ -41,7 +43,8 @@ class EngineProc:
         self.address = f"ipc://{workdir}/{name}.sock"
         argv = [sys.executable, "-m", "evenflow.core.cli", "--model", model, "--listen", self.address, *flags]
         self.log = open(workdir / f"{name}.log", "wb")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **evenflow_server_env()})
         self.client = EngineClient(self.address, client_name=f"bench-{name}")
         self._ids = 0
 

@@ -6,10 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
-
-import evenflow
 
 from evenflow.bench.server import (
     DEFAULT_PEER_VENV,
@@ -17,6 +14,7 @@ from evenflow.bench.server import (
     ServerConfig,
     ServerSpec,
     evenflow_argv,
+    evenflow_server_env,
     free_port,
     template_argv,
     vllm_argv,
@@ -84,17 +82,6 @@ def server_config(args: argparse.Namespace, budget: int | None) -> ServerConfig:
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
     )
-
-
-def evenflow_server_env() -> dict[str, str]:
-    """The environment an evenflow server starts in: it runs the evenflow this process imported (choose
-    another tree with $PYTHONPATH; the bench and its servers then run the same code). Without it
-    ``python -m`` put the working directory first on sys.path: launched from a checkout, the server
-    imported that checkout's evenflow whatever $PYTHONPATH said, and an arm meant to measure older code
-    measured the checkout's (PYTHONSAFEPATH, Python 3.11+, leaves the working directory off)."""
-    root = str(Path(evenflow.__file__).resolve().parents[1])
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONSAFEPATH": "1", "PYTHONPATH": path}
 
 
 def server_spec(args: argparse.Namespace, engine: str, cfg: ServerConfig) -> ServerSpec:

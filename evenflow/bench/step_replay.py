@@ -70,13 +70,15 @@ class KindComparison:
 
 
 def compare(served: list[StepTiming], replayed: list[StepTiming]) -> list[KindComparison]:
-    """Pair the two timings of each step by its id, grouped by kind (steps of no tokens left out)."""
+    """Pair the two timings of each step by its id, grouped by kind (steps of no tokens left out; served
+    steps the worker marked contended, another process on a core, a kind of their own)."""
     by_id = {t.step_id: t for t in replayed}
     groups: dict[str, list[tuple[StepTiming, StepTiming]]] = {}
     for s in served:
         r = by_id.get(s.step_id)
         if r is not None and s.kind != "empty":
             kind = s.kind if s.threads == r.threads else f"{s.kind}, {s.threads} / {r.threads} threads"
+            kind += ", contended" if s.contended else ""
             groups.setdefault(kind, []).append((s, r))
     rows = []
     for kind, pairs in groups.items():

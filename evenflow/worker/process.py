@@ -155,7 +155,7 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, tracker: StepTracker) -> None:
                 else:
                     clock = StepClock()
                     out = runner.execute_model(msg)
-                    recorder.step(clock.stop(msg))
+                    recorder.step(clock.stop(msg, out is not None and out.contended))
                 if cfg.rank == 0:
                     if out is None:  # nothing to sample this step: still answer, the engine waits
                         out = ModelRunnerOutput(msg.step_id, [], [])

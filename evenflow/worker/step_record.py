@@ -43,6 +43,7 @@ class StepTiming(msgspec.Struct):
     cpu_s: float  # user + system time of the whole process: up to threads x wall_s
     involuntary_switches: int  # times the process's threads were preempted during the step
     threads: int
+    contended: bool = False  # on every core while a core was taken (ModelRunnerOutput.contended)
 
     @property
     def kind(self) -> str:
@@ -58,14 +59,14 @@ class StepClock:
         self._wall = time.perf_counter()
         self._usage = resource.getrusage(resource.RUSAGE_SELF)
 
-    def stop(self, so: SchedulerOutput) -> StepTiming:
+    def stop(self, so: SchedulerOutput, contended: bool = False) -> StepTiming:
         wall = time.perf_counter() - self._wall
         usage, before = resource.getrusage(resource.RUSAGE_SELF), self._usage
         cpu = usage.ru_utime + usage.ru_stime - before.ru_utime - before.ru_stime
         drafts = so.num_draft_slots
         max_query = max((n - drafts.get(r, 0) for r, n in so.num_scheduled_tokens.items()), default=0)
         return StepTiming(so.step_id, so.total_num_scheduled_tokens, max_query, wall, cpu,
-                          usage.ru_nivcsw - before.ru_nivcsw, torch.get_num_threads())
+                          usage.ru_nivcsw - before.ru_nivcsw, torch.get_num_threads(), contended)
 
 
 class StepRecorder:

@@ -88,13 +88,17 @@ def test_steps_are_told_apart_by_kind_without_drafts_and_by_thread_count() -> No
     assert clock.stop(so).kind == "decode-only"  # a's 3 tokens are 1 decode and 2 drafts
     assert clock.stop(SchedulerOutput(8, [], [], {}, 0)).kind == "empty"
 
-    def timing(step: int, tokens: int, threads: int, wall: float) -> StepTiming:
-        return StepTiming(step, tokens, tokens, wall, 2 * wall, 0, threads)
+    def timing(step: int, tokens: int, threads: int, wall: float, contended: bool = False) -> StepTiming:
+        return StepTiming(step, tokens, tokens, wall, 2 * wall, 0, threads, contended)
 
-    served = [timing(0, 5, 2, 0.2), timing(1, 1, 1, 0.1), timing(2, 1, 2, 0.05), timing(3, 0, 2, 0.0)]
-    replayed = [timing(0, 5, 2, 0.1), timing(1, 1, 2, 0.05), timing(2, 1, 2, 0.04), timing(3, 0, 2, 0.0)]
+    served = [timing(0, 5, 2, 0.2), timing(1, 1, 1, 0.1), timing(2, 1, 2, 0.05), timing(3, 0, 2, 0.0),
+              timing(4, 5, 2, 0.9, contended=True)]
+    replayed = [timing(0, 5, 2, 0.1), timing(1, 1, 2, 0.05), timing(2, 1, 2, 0.04), timing(3, 0, 2, 0.0),
+                timing(4, 5, 2, 0.1)]
     rows = {r.kind: r for r in compare(served, replayed)}
-    assert set(rows) == {"with a prompt chunk", "decode-only", "decode-only, 1 / 2 threads"}
+    assert set(rows) == {"with a prompt chunk", "decode-only", "decode-only, 1 / 2 threads",
+                         "with a prompt chunk, contended"}
+    assert clock.stop(so, contended=True).contended
     assert rows["with a prompt chunk"].ratio == pytest.approx(2.0)
     assert rows["decode-only"].served_ms == pytest.approx(50) and rows["decode-only"].served_cpu_per_wall == 2
 

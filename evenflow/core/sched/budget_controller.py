@@ -20,9 +20,8 @@ root, not a search.
 * Trust: P is at most twice the largest prompt chunk that ran beside decodes within the target (or
   within ``TRUSTED_ERROR`` of its prediction, when the decodes alone take the target), so
   a model that has only seen small steps grows its steps by doubling instead of extrapolating far.
-  (Counting the chunks of steps with no decodes, which take the whole budget, let a fit that saw no
-  price in prompt tokens hand 1,700 tokens to a step beside 8 streams: 330 ms against a 50 ms
-  target, tiny model, served.)
+  Steps with no decodes take the whole budget and do not count: beside decodes, a fit that saw no
+  price in prompt tokens would be trusted with all of it.
 * Measured: a chunk is never priced below ``MEASURED_COST_SHARE`` of what prompt tokens beside
   decodes cost in the last ``MEASURED_WINDOW`` prefill steps whose chunk followed a context of the
   same power of two (``MeasuredPromptCost``), in its allowance and in its step's prediction: a fit
@@ -30,9 +29,8 @@ root, not a search.
 * Without a target given (``auto_target``), the target is derived from the decode step
   (``AutoTarget``); ``--max-num-batched-tokens`` is then the ceiling. The decode step is measured
   on decode-only steps; while none has run for ``DECODE_ONLY_STALE`` steps (prompts queued behind
-  each other), a prefill step's measured time scaled by the model's share of its decodes stands in.
-  (Fed by decode-only steps alone, the target stayed at its floor in a served run where no step was
-  ever decode-only; fed by both always, it swung +-20% between the two estimates.)
+  each other), a prefill step's measured time scaled by the model's share of its decodes stands in
+  (not always: the two estimates differ by up to +-20%).
 """
 
 from __future__ import annotations
@@ -64,9 +62,7 @@ PREFILL_MIN_SHARE = 0.2  # of a step's predicted time, for a prompt to prefill b
 # (MeasuredPromptCost); below it the measured cost sizes the chunk and predicts its step.
 MEASURED_COST_SHARE = 0.8
 # Layers of a prompt a step's room must hold for it to climb rather than go in token chunks: a room of
-# 1.5 layers runs one and leaves the rest of every step unused (the small demo model served: one layer
-# of a 2032-token prompt ~50 ms in a ~75 ms room, its first token 0.9-1.2 s against 0.71-0.79 s in
-# chunks), where a chunk fills the room.
+# 1.5 layers runs one and leaves the rest of every step unused, where a chunk fills it.
 MIN_LAYERS_A_STEP = 2
 MEASURED_WINDOW = 64  # prefill steps a context bucket remembers
 UNAIMED = ("share", "floor", "warm-up", "probe")  # allowances the aim did not size: their steps do not move it
@@ -161,11 +157,8 @@ class BudgetController:
     def prefers_layers(self, survey: RunningSurvey, num_tokens: int, num_computed: int, num_layers: int) -> bool:
         """Whether a prompt chunk (``num_tokens`` after ``num_computed``) that the step's allowance cuts
         goes by layer groups instead (layered_prefill.py): past the fit's warm-up, beside decodes, where
-        ``MIN_LAYERS_A_STEP`` of its layers fit the aim's room beside them. (On the small demo model, 8 layers, one layer
-        of a 2032-token prompt costs ~200 ms against a ~130 ms room: every one-layer group overran the
-        target, docs/results/steadiness.md; it goes in chunks. A count of the steps its chunks would take
-        against its groups' also kept the real model's prompts in chunks, where groups start them sooner:
-        the chunks shrink as the context grows, which the count did not see.)"""
+        ``MIN_LAYERS_A_STEP`` of its layers fit the aim's room beside them (else every group would
+        overrun or leave the room unused: it goes in chunks)."""
         if not survey.decodes or self.model.num_observations < MIN_OBSERVATIONS:
             return False
         cost = self.model.fitted_costs()
@@ -192,16 +185,12 @@ class BudgetController:
         """Layers a prompt prefilled by layer groups (``num_tokens`` after ``num_computed``) runs through in
         the next step, from ``next_layer`` on (layered_prefill.py): the layers whose measured price fits the
         aim's room beside the decodes, at least one, at most those left; bounded by trust as an allowance
-        is, in tokens x share. A shape no group measured yet runs one layer: the fit's share of a whole
-        chunk overran by up to 1.7x served. (Counted as the room's, not the layers left, a last group
-        of one layer priced its layer at a quarter: the next prompt's groups then ran 1.5x their
-        prediction.) 0: a layer of it, as measured, overruns the target beside the decodes (or, before its
-        first group ran, the room), and the climb should stop: what the fit foresaw when it started was too
-        little (a served climb on the small demo model probed at 112-126 ms a layer against a ~75 ms room,
-        then ran its other 6 layers a step each at 126-364 ms instead of going on in token chunks within
-        the target). A layer over the aim's room but within the target runs alone: stopped, the climb's
-        layers so far were lost (a neighbour took a core mid-climb on the real GGUF, 92-106 ms steps
-        against a 160 ms target: the prompt restarted in chunks 1.5 s into its climb)."""
+        is, in tokens x share. A shape no group measured yet (or measured at nothing) runs one layer,
+        which measures it: the fit's share of a whole chunk is no price for a layer. A layer over the
+        aim's room but within the target runs alone (stopped, the climb's layers so far would be lost).
+        0: a layer of it, as measured, overruns the target beside the decodes (or, before its first
+        group ran, the room): what the fit foresaw was too little, and the climb stops to go on in token
+        chunks within the target (docs/tuning.md)."""
         if survey.decodes == 0:
             self._bound_by = "room"
             return num_layers - next_layer
@@ -223,9 +212,8 @@ class BudgetController:
             return 0
         if not measured:
             layers, self._bound_by = 1, "probe"
-        # Twice the last group's layers when it kept the target: unrounded, or a climb trusted with nothing
-        # else (no chunk beside decodes yet, after start-up) stayed at one layer a step (4 of a 128-token
-        # prompt's 4.27 tokens a layer, 1.9 layers trusted: 30 steps for every short prompt, served).
+        # Twice the last group's layers when it kept the target, unrounded: rounded, a climb trusted with
+        # nothing else (no chunk beside decodes yet) stayed at one layer a step.
         trusted = int(num_layers * TRUST_GROWTH * self.largest_prefill_seen / num_tokens + 1e-6)
         if trusted < layers:
             layers, self._bound_by = trusted, "trust"
@@ -346,8 +334,7 @@ class BudgetController:
             planned.trace.measured_ms = seconds * 1e3
             self._trace.write(planned.trace)
         # A layer group is priced by its own (LayerPrice), beside the fit's decodes: fitted to groups too, the
-        # fit gave the decodes a share of their slow-down (prompt tokens 2x dearer mid-climb: the decodes
-        # alone predicted at 2.1x their time), and a layer that fitted the target read as one that did not.
+        # fit would give the decodes a share of a group's slow-down.
         if not planned.layers:
             self.model.observe(planned.shape, seconds)
         if self._log.due():
@@ -359,10 +346,8 @@ class BudgetController:
         """A step the worker ran while another process held a core (``ModelRunnerOutput.contended``):
         the streams waited for it, so the stats count it, but its time is not what its shape costs on
         this machine, so neither the fit, the aim, the layer prices, the trust nor the derived target
-        learn from it. (Taught by it, one neighbour's few seconds pinned the aim at its floor for the
-        next 256 prompt steps and the fit priced 3 decodes at 2.3x their cost: the prompts that
-        arrived then got 16 tokens a step and waited 4-5 s for their first token, served on the real
-        GGUF.) The worker leaves the busy core to it for the steps that follow; their times, on
+        learn from it (a neighbour's few seconds would pin the aim at its floor for the next 256 prompt
+        steps). The worker leaves the busy core to it for the steps that follow; their times, on
         fewer threads, are the machine's, and are learnt."""
         if planned.has_decodes and planned.predicted_s > 0 and self.model.num_observations >= MIN_OBSERVATIONS:
             self.stats.count_step(planned.predicted_s, seconds, self.target_s)

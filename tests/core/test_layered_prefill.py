@@ -442,21 +442,30 @@ def test_a_climb_trusted_with_nothing_else_doubles_its_layers_each_step() -> Non
                                          zip(sizes, sizes[1:], spans[1:])), spans
 
 
-def test_a_layer_price_measured_at_nothing_sizes_no_group() -> None:
-    """A group that ran at or under its decodes' prediction prices its layer at nothing. Read as a price,
-    every layer fitted the room and the next group took all that were left (a climb under a 1 us target
-    then never stopped); it counts as unmeasured, and the next group probes one layer."""
+def test_a_layer_price_measured_at_nothing_is_the_fits_share() -> None:
+    """A group that ran at or under its decodes' prediction (a young fit overpricing the decodes) prices its
+    layer at nothing. Read as a price, every layer fitted the room and the next group took all that were
+    left (a climb under a 1 us target then never stopped); read as unmeasured, every group probed one
+    layer (a 128-token prompt climbed one layer a step for 30 steps after start-up, served). The fit's
+    share of the chunk prices it, and trust bounds the group."""
     scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
     controller = scheduler.budget_controller
     assert controller is not None
     for _ in range(60):
         run_step(scheduler, machine)
-    controller.largest_prefill_seen = 2000.0  # trust is not what bounds the group here
     survey = survey_running(scheduler.running, scheduler._long_threshold)
     key = price_key(2000, 0)
-    controller.layer_price.observe(key, -0.001, 2, 2000)  # the group ran under its decodes' prediction
-    assert controller.layer_price.per_layer_s(key, 2000) == 0.0
-    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=3) == 1
+    controller.largest_prefill_seen = 2000.0  # trust is not what bounds the probe
+    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=0) == 1  # never measured: a probe
     assert controller._bound_by == "probe"
-    controller.layer_price.observe(key, 0.004, 1, 2000)  # measured: now it sizes the group by the room
-    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=4) > 1
+    controller.layer_price.observe(key, -0.001, 1, 2000)  # the probe ran under its decodes' prediction
+    assert controller.layer_price.per_layer_s(key, 2000) == 0.0
+    controller.largest_prefill_seen = 2000 / LAYERS  # trust: the probe's layer
+    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=1) == 2  # twice the last group: trust
+    assert controller._bound_by == "trust"
+    controller.largest_prefill_seen = 2000.0
+    cost = controller.model.fitted_costs()
+    _, room_s, _ = controller._prompt_room(cost, survey)
+    fit_s, known = controller._layer_price_s(cost, key, 2000, 0, LAYERS)
+    assert known and fit_s > 0
+    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=1) == min(int(room_s / fit_s), LAYERS - 1)

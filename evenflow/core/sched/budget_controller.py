@@ -171,14 +171,17 @@ class BudgetController:
 
     def _layer_price_s(self, cost: StepCosts, key: tuple[int, int], num_tokens: int, num_computed: int,
                        num_layers: int) -> tuple[float, bool]:
-        """One layer of the chunk beside the decodes, and whether groups of its shape measured it
-        (``LayerPrice``); else the fit's share of the whole chunk."""
+        """One layer of the chunk beside the decodes, and whether it is known: measured by groups of its
+        shape (``LayerPrice``), else the fit's share of the whole chunk (known where groups of the shape
+        ran within the fit's error of their decodes alone, measuring the layer at nothing: one layer a
+        step, as for a shape never measured, kept a short prompt climbing 30 steps, served)."""
         measured_s = self.layer_price.per_layer_s(key, num_tokens)
-        if measured_s is not None:
+        if measured_s is not None and measured_s > 0:
             return measured_s, True
         whole_s = (cost.per_token * num_tokens + cost.per_read * (num_computed + num_tokens)
                    + cost.per_pair * chunk_pairs(num_tokens, num_computed))
-        return max(whole_s, self._prompt_token_floor_s(num_computed) * num_tokens) / num_layers, False
+        fit_s = max(whole_s, self._prompt_token_floor_s(num_computed) * num_tokens) / num_layers
+        return fit_s, measured_s is not None and fit_s > 0
 
     def layer_group(self, survey: RunningSurvey, num_tokens: int, num_computed: int, num_layers: int,
                     next_layer: int) -> int:
@@ -201,7 +204,6 @@ class BudgetController:
         base_s, room_s, self._bound_by = self._prompt_room(cost, survey)
         key = price_key(num_tokens, num_computed)
         per_layer_s, measured = self._layer_price_s(cost, key, num_tokens, num_computed, num_layers)
-        measured = measured and per_layer_s > 0  # a group at or under its decodes' prediction priced nothing: probe
         layers = int(room_s / per_layer_s) if per_layer_s > 0 else num_layers
         if measured and layers < 1 and next_layer > 0 and max(base_s, 0.0) + per_layer_s <= self.target_s:
             layers, self._bound_by = 1, "target"

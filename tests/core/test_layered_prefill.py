@@ -466,6 +466,12 @@ def test_a_layer_price_measured_at_nothing_is_the_fits_share() -> None:
     controller.largest_prefill_seen = 2000.0
     cost = controller.model.fitted_costs()
     _, room_s, _ = controller._prompt_room(cost, survey)
-    fit_s, known = controller._layer_price_s(cost, key, 2000, 0, LAYERS)
-    assert known and fit_s > 0
+    fit_s, source = controller._layer_price_s(cost, key, 2000, 0, LAYERS)
+    assert source == "fit" and fit_s > 0 and int(room_s / fit_s) >= 1
     assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=1) == min(int(room_s / fit_s), LAYERS - 1)
+    # Where the fit's price does not fit the room, the climb goes on by a probe: the fit's guess stops nothing.
+    base_s = controller._prompt_room(cost, survey)[0]
+    controller._prompt_room = lambda cost, survey: (base_s, fit_s / 2, "aim")  # type: ignore[method-assign]
+    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=5) == 1
+    assert controller._bound_by == "probe" and scheduler.get_stats().scheduler.num_layered_prefills_stopped == 0
+    assert controller.layer_price.per_layer_s(key, 2000) == 0.0  # not forgotten

@@ -43,7 +43,9 @@ def _stream(url: str, max_tokens: int) -> tuple[int, list[str]]:
 
 def test_forward_fault_fails_every_stream_with_its_cause_then_the_frontend_recovers(
         demo_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("EVENFLOW_TEST_FAIL_FORWARD_AFTER_STEPS", "40")
+    # Mid-stream for all three (200 tokens each, decoded side by side), and late enough that the last of them
+    # has arrived on a loaded machine: at 40 steps one stream reached a dead engine (503) in a clean CI run.
+    monkeypatch.setenv("EVENFLOW_TEST_FAIL_FORWARD_AFTER_STEPS", "120")
     engine = start_engine(demo_model_dir, tmp_path, *FLAGS, name="engine")
     monkeypatch.delenv("EVENFLOW_TEST_FAIL_FORWARD_AFTER_STEPS")
     port = free_port()

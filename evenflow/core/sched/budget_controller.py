@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from evenflow.protocol import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 
@@ -67,6 +68,7 @@ MIN_LAYERS_A_STEP = 2
 MEASURED_WINDOW = 64  # prefill steps a context bucket remembers
 UNAIMED = ("share", "floor", "warm-up", "probe")  # allowances the aim did not size: their steps do not move it
 
+LayerPriceSource = Literal["measured", "fit", "unknown"]  # where a layer's price comes from (_layer_price_s)
 
 @dataclass
 class _Planned:
@@ -170,30 +172,32 @@ class BudgetController:
         return 0 < per_layer_s * min(MIN_LAYERS_A_STEP, num_layers) <= room_s
 
     def _layer_price_s(self, cost: StepCosts, key: tuple[int, int], num_tokens: int, num_computed: int,
-                       num_layers: int) -> tuple[float, bool]:
-        """One layer of the chunk beside the decodes, and whether it is known: measured by groups of its
-        shape (``LayerPrice``), else the fit's share of the whole chunk (known where groups of the shape
-        ran within the fit's error of their decodes alone, measuring the layer at nothing: one layer a
-        step, as for a shape never measured, kept a short prompt climbing 30 steps, served)."""
+                       num_layers: int) -> tuple[float, LayerPriceSource]:
+        """One layer of the chunk beside the decodes, and where that price comes from: "measured" by groups
+        of its shape (``LayerPrice``); else the fit's share of the whole chunk, "fit" where groups of the
+        shape ran within the fit's error of their decodes alone (measuring the layer at nothing), "unknown"
+        where none ran yet (or the fit prices the chunk at nothing)."""
         measured_s = self.layer_price.per_layer_s(key, num_tokens)
         if measured_s is not None and measured_s > 0:
-            return measured_s, True
+            return measured_s, "measured"
         whole_s = (cost.per_token * num_tokens + cost.per_read * (num_computed + num_tokens)
                    + cost.per_pair * chunk_pairs(num_tokens, num_computed))
         fit_s = max(whole_s, self._prompt_token_floor_s(num_computed) * num_tokens) / num_layers
-        return fit_s, measured_s is not None and fit_s > 0
+        return fit_s, "fit" if measured_s is not None and fit_s > 0 else "unknown"
 
     def layer_group(self, survey: RunningSurvey, num_tokens: int, num_computed: int, num_layers: int,
                     next_layer: int) -> int:
         """Layers a prompt prefilled by layer groups (``num_tokens`` after ``num_computed``) runs through in
-        the next step, from ``next_layer`` on (layered_prefill.py): the layers whose measured price fits the
-        aim's room beside the decodes, at least one, at most those left; bounded by trust as an allowance
-        is, in tokens x share. A shape no group measured yet (or measured at nothing) runs one layer,
-        which measures it: the fit's share of a whole chunk is no price for a layer. A layer over the
-        aim's room but within the target runs alone (stopped, the climb's layers so far would be lost).
-        0: a layer of it, as measured, overruns the target beside the decodes (or, before its first
-        group ran, the room): what the fit foresaw was too little, and the climb stops to go on in token
-        chunks within the target (docs/tuning.md)."""
+        the next step, from ``next_layer`` on (layered_prefill.py): the layers whose price fits the aim's
+        room beside the decodes, at least one, at most those left; bounded by trust as an allowance is, in
+        tokens x share. A shape no group measured yet runs one layer, which measures it (the fit's share
+        of a whole chunk overran by up to 1.7x); one whose groups measured their layer at nothing is priced
+        by the fit, the error the groups ran within (probed again instead, every group ran one layer: a
+        short prompt climbed 30 steps right after start-up), and probes one layer where that price does not
+        fit the room. A measured layer over the aim's room but within the target runs alone (stopped, the
+        climb's layers so far would be lost). 0: a layer of it, as measured, overruns the target beside the
+        decodes (or, before its first group ran, the room): what the fit foresaw was too little, and the
+        climb stops to go on in token chunks within the target (docs/tuning.md)."""
         if survey.decodes == 0:
             self._bound_by = "room"
             return num_layers - next_layer
@@ -203,8 +207,9 @@ class BudgetController:
         cost = self.model.fitted_costs()
         base_s, room_s, self._bound_by = self._prompt_room(cost, survey)
         key = price_key(num_tokens, num_computed)
-        per_layer_s, measured = self._layer_price_s(cost, key, num_tokens, num_computed, num_layers)
+        per_layer_s, source = self._layer_price_s(cost, key, num_tokens, num_computed, num_layers)
         layers = int(room_s / per_layer_s) if per_layer_s > 0 else num_layers
+        measured = source == "measured"
         if measured and layers < 1 and next_layer > 0 and max(base_s, 0.0) + per_layer_s <= self.target_s:
             layers, self._bound_by = 1, "target"
         elif measured and layers < 1:
@@ -212,8 +217,8 @@ class BudgetController:
             self.stats.layered_prefills_stopped += 1
             self.layer_price.forget(key)
             return 0
-        if not measured:
-            layers, self._bound_by = 1, "probe"
+        if source == "unknown" or layers < 1:  # never measured, or the fit's price does not fit: measure it
+            layers, self._bound_by, source = 1, "probe", "unknown"
         # Twice the last group's layers when it kept the target, unrounded: rounded, a climb trusted with
         # nothing else (no chunk beside decodes yet) stayed at one layer a step.
         trusted = int(num_layers * TRUST_GROWTH * self.largest_prefill_seen / num_tokens + 1e-6)
@@ -223,7 +228,7 @@ class BudgetController:
             layers, self._bound_by = 1, "floor"
         layers = min(layers, num_layers - next_layer)
         self.stats.layer_group_steps += 1
-        self._pending_layers = (key, layers, layers * per_layer_s if measured else -1.0)
+        self._pending_layers = (key, layers, layers * per_layer_s if source != "unknown" else -1.0)
         if self._trace is not None:
             self._pending_trace = PlannedStep(-1, self.target_s * 1e3, self.aim_s * 1e3, survey.decodes,
                                               base_s * 1e3, layers, f"layers:{self._bound_by}")
@@ -297,7 +302,7 @@ class BudgetController:
         layered, self._pending_layers = self._pending_layers, None
         if layered is not None and gate.chunk_share < 1:
             key, layers, measured_s = layered
-            if measured_s >= 0:  # priced by earlier groups of its shape (LayerPrice); -1: not yet
+            if measured_s >= 0:  # priced (by earlier groups of its shape, or the fit); -1: a probe
                 predicted_s = max(alone_s, 0.0) + measured_s
         planned = _Planned(shape, predicted_s, survey.decodes > 0, gate.prefill_tokens * gate.chunk_share, alone_s,
                            self._bound_by not in UNAIMED, context)

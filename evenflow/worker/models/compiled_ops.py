@@ -84,9 +84,10 @@ class CompiledOps:
         ``thread_counts`` (default: the current count), so that no step of any row count on any of them
         compiles while requests wait; returns the seconds it took."""
         current = torch.get_num_threads()
+        counts = sorted(set(thread_counts)) or [current]
         start = time.perf_counter()
         try:
-            for count in sorted(set(thread_counts) or {current}):
+            for count in counts:
                 torch.set_num_threads(count)
                 self._compile()
         finally:
@@ -132,15 +133,15 @@ def compile_layer_ops(model: LlamaModel, min_rows: int, thread_counts: Iterable[
     qk_end = model.q_size + model.kv_size
     ops = CompiledOps(min_rows, cfg.hidden_size, qk_end + model.kv_size, qk_end, cfg.head_dim, model.intermediate,
                       act, model.kv_dtype, model.rotary.cos.dtype)
+    counts = sorted(set(thread_counts)) or [torch.get_num_threads()]
     previous = inductor_config.compile_threads
     inductor_config.compile_threads = 1  # no pool of compile processes left beside the worker
     try:
-        seconds = ops.warm_up(thread_counts)
+        seconds = ops.warm_up(counts)
     except Exception as e:  # no C++ compiler, an inductor limit: the eager ops are the same math
         log.warning("elementwise ops stay eager: torch.compile failed (%s: %s)", type(e).__name__, e)
         return "eager (torch.compile failed)"
     finally:
         inductor_config.compile_threads = previous
     model.compiled_ops = ops
-    counts = "/".join(str(n) for n in sorted(set(thread_counts) or {torch.get_num_threads()}))
-    return f"compiled for steps of {min_rows}+ rows on {counts} threads in {seconds:.1f} s"
+    return f"compiled for steps of {min_rows}+ rows on {'/'.join(map(str, counts))} threads in {seconds:.1f} s"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from evenflow.bench.server import evenflow_server_env
+from evenflow.bench.server import evenflow_process_env
 from evenflow.frontend.clients.data_parallel import DataParallelClient
 from evenflow.frontend.clients.router import ROUTING_POLICIES, RoutingConfig
 from evenflow.protocol import SamplingParams, SchedulerStats
@@ -89,7 +89,7 @@ def start_engines(model: str, workdir: Path, args: argparse.Namespace) -> list[s
         pin = {cpus[i]} if len(cpus) >= 2 else None
         log = open(workdir / f"e{i}.log", "wb")
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env={**os.environ, **evenflow_server_env()},
+                                      env=evenflow_process_env(),
                                       preexec_fn=(lambda pin=pin: os.sched_setaffinity(0, pin)) if pin else None))
     return procs
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from evenflow.bench.server import evenflow_server_env
+from evenflow.bench.server import evenflow_process_env
 
 
 def free_port() -> int:
@@ -36,7 +36,7 @@ class Proc:
         with open(self.log, "ab") as f:
             self.popen = subprocess.Popen([sys.executable, *self.argv], stdout=f, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL,
-                                          env={**os.environ, **evenflow_server_env(), **(self.env or {})})
+                                          env=evenflow_process_env(self.env))
 
     @property
     def pid(self) -> int:

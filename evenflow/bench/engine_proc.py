@@ -4,14 +4,13 @@ with a runner that sends requests at a fixed concurrency and records each one's 
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evenflow.bench.server import evenflow_server_env
+from evenflow.bench.server import evenflow_process_env
 from evenflow.frontend.clients.engine_client import EngineClient
 from evenflow.protocol import SamplingParams, SchedulerStats
 from evenflow.protocol.lifeline import stop_processes
@@ -44,7 +43,7 @@ class EngineProc:
         argv = [sys.executable, "-m", "evenflow.core.cli", "--model", model, "--listen", self.address, *flags]
         self.log = open(workdir / f"{name}.log", "wb")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **evenflow_server_env()})
+                                     env=evenflow_process_env())
         self.client = EngineClient(self.address, client_name=f"bench-{name}")
         self._ids = 0
 

@@ -12,7 +12,6 @@ wall time; ITL is every gap between a request's consecutive tokens.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from evenflow.bench.server import evenflow_server_env
+from evenflow.bench.server import evenflow_process_env
 from evenflow.bench.stats import dist_ms
 from evenflow.frontend.clients.engine_client import EngineClient
 from evenflow.protocol import AdapterRef, SamplingParams
@@ -47,7 +46,7 @@ class MixRecord:
 def start_engine(model: Path, address: str, log: Path, flags: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "evenflow.core.cli", "--model", str(model), "--listen", address, *flags]
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **evenflow_server_env()})
+                            env=evenflow_process_env())
 
 
 def stop_engine(proc: subprocess.Popen) -> None:

@@ -40,6 +40,12 @@ def evenflow_server_env() -> dict[str, str]:
     return {"PYTHONSAFEPATH": "1", "PYTHONPATH": path}
 
 
+def evenflow_process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The whole environment of an evenflow process a bench starts itself: this one's, with
+    ``evenflow_server_env`` and then ``extra`` over it."""
+    return {**os.environ, **evenflow_server_env(), **(extra or {})}
+
+
 @dataclass
 class ServerConfig:
     """One server configuration; ``budget is None`` means unchunked (a budget of max_model_len)."""

@@ -96,8 +96,7 @@ class ModelRunner:
                      effective_quantization(config.quantization, config.dtype))
         self.model.eval()
         if self.device.type == "cpu" and not config.enforce_eager and config.max_num_batched_tokens >= COMPILE_MIN_ROWS:
-            plan = self.threads.plan
-            counts = (plan.small, plan.big) if plan is not None else ()
+            counts = self.threads.plan.counts if self.threads.plan is not None else ()
             log.info("layer elementwise ops: %s", compile_layer_ops(self.model, COMPILE_MIN_ROWS, counts))
         cfg = self.model_config
         self.attn = backend_cls(self.model.num_heads, self.model.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,

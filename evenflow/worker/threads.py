@@ -67,6 +67,11 @@ class StepThreads:
     small: int
     big: int
 
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Every count a step may run on."""
+        return tuple(sorted({self.small, self.big}))
+
 
 def process_run_queue_wait() -> float | None:
     """Seconds this process's threads have spent runnable but waiting for a CPU, summed over the

@@ -70,6 +70,7 @@ UNAIMED = ("share", "floor", "warm-up", "probe")  # allowances the aim did not s
 
 LayerPriceSource = Literal["measured", "fit", "unknown"]  # where a layer's price comes from (_layer_price_s)
 
+
 @dataclass
 class _Planned:
     shape: StepShape
@@ -217,8 +218,9 @@ class BudgetController:
             self.stats.layered_prefills_stopped += 1
             self.layer_price.forget(key)
             return 0
-        if source == "unknown" or layers < 1:  # never measured, or the fit's price does not fit: measure it
-            layers, self._bound_by, source = 1, "probe", "unknown"
+        probe = source == "unknown" or layers < 1  # never measured, or the fit's price does not fit: measure it
+        if probe:
+            layers, self._bound_by = 1, "probe"
         # Twice the last group's layers when it kept the target, unrounded: rounded, a climb trusted with
         # nothing else (no chunk beside decodes yet) stayed at one layer a step.
         trusted = int(num_layers * TRUST_GROWTH * self.largest_prefill_seen / num_tokens + 1e-6)
@@ -228,7 +230,7 @@ class BudgetController:
             layers, self._bound_by = 1, "floor"
         layers = min(layers, num_layers - next_layer)
         self.stats.layer_group_steps += 1
-        self._pending_layers = (key, layers, layers * per_layer_s if source != "unknown" else -1.0)
+        self._pending_layers = (key, layers, -1.0 if probe else layers * per_layer_s)
         if self._trace is not None:
             self._pending_trace = PlannedStep(-1, self.target_s * 1e3, self.aim_s * 1e3, survey.decodes,
                                               base_s * 1e3, layers, f"layers:{self._bound_by}")

@@ -79,20 +79,19 @@ class CompiledOps:
         self.add_norm, self.rotary_qk, self.swiglu = (torch.compile(fn) for fn in (add_norm_, rotary_qk_, swiglu_))
         self._inputs = (hidden, qkv_width, head_dim, inter, act_dtype, rotary_dtype)
 
-    def warm_up(self, thread_counts: Iterable[int] = ()) -> float:
+    def warm_up(self, thread_counts: Iterable[int] = ()) -> tuple[int, ...]:
         """Compile the three graphs (or load them from inductor's cache) with the rows symbolic, for each of
         ``thread_counts`` (default: the current count), so that no step of any row count on any of them
-        compiles while requests wait; returns the seconds it took."""
+        compiles while requests wait; returns the counts compiled for."""
         current = torch.get_num_threads()
-        counts = sorted(set(thread_counts)) or [current]
-        start = time.perf_counter()
+        counts = tuple(sorted(set(thread_counts))) or (current,)
         try:
             for count in counts:
                 torch.set_num_threads(count)
                 self._compile()
         finally:
             torch.set_num_threads(current)
-        return time.perf_counter() - start
+        return counts
 
     def _compile(self) -> None:
         hidden, qkv_width, head_dim, inter, act, rotary_dtype = self._inputs
@@ -133,15 +132,16 @@ def compile_layer_ops(model: LlamaModel, min_rows: int, thread_counts: Iterable[
     qk_end = model.q_size + model.kv_size
     ops = CompiledOps(min_rows, cfg.hidden_size, qk_end + model.kv_size, qk_end, cfg.head_dim, model.intermediate,
                       act, model.kv_dtype, model.rotary.cos.dtype)
-    counts = sorted(set(thread_counts)) or [torch.get_num_threads()]
     previous = inductor_config.compile_threads
     inductor_config.compile_threads = 1  # no pool of compile processes left beside the worker
+    start = time.perf_counter()
     try:
-        seconds = ops.warm_up(counts)
+        counts = ops.warm_up(thread_counts)
     except Exception as e:  # no C++ compiler, an inductor limit: the eager ops are the same math
         log.warning("elementwise ops stay eager: torch.compile failed (%s: %s)", type(e).__name__, e)
         return "eager (torch.compile failed)"
     finally:
         inductor_config.compile_threads = previous
     model.compiled_ops = ops
+    seconds = time.perf_counter() - start
     return f"compiled for steps of {min_rows}+ rows on {'/'.join(map(str, counts))} threads in {seconds:.1f} s"

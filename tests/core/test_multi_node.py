@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,31 +18,9 @@ import zmq
 from evenflow.core.engine_config import ConfigError, EngineConfig
 from evenflow.core.multi_node import RANK_SUBSCRIPTION, NodeLayout, SecuredLinks, watch_from_host
 from evenflow.protocol.link_auth import derive_link_keys, secure_client
+from tests.ports import loopback_ports
 
 SECRET = b"a-shared-secret-of-some-length"
-
-
-def _port_triple_free_now() -> int:
-    """A port p with p, p+1 and p+2 all free at this moment (held together while checked)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            if port + 2 >= 65536:
-                continue
-            held = []
-            try:
-                for p in (port + 1, port + 2):
-                    t = socket.socket()
-                    held.append(t)
-                    t.bind(("127.0.0.1", p))
-                return port
-            except OSError:
-                continue
-            finally:
-                for t in held:
-                    t.close()
-    raise RuntimeError("no three consecutive free ports")
 
 
 def _secured_links(ctx: zmq.Context) -> tuple[NodeLayout, SecuredLinks, zmq.Socket, zmq.Socket]:
@@ -51,7 +28,7 @@ def _secured_links(ctx: zmq.Context) -> tuple[NodeLayout, SecuredLinks, zmq.Sock
     bind (the machine is shared), so a bind that finds it taken tries another triple."""
     for _ in range(20):
         steps, results = ctx.socket(zmq.XPUB), ctx.socket(zmq.PULL)
-        layout = NodeLayout(2, 0, 2, "127.0.0.1", _port_triple_free_now(), derive_link_keys(SECRET), SECRET)
+        layout = NodeLayout(2, 0, 2, "127.0.0.1", loopback_ports(3), derive_link_keys(SECRET), SECRET)
         try:
             return layout, SecuredLinks(ctx, layout, steps, results), steps, results
         except zmq.ZMQError as e:
@@ -137,7 +114,7 @@ def test_a_host_that_stops_answering_with_a_step_sent_to_it_is_lost_within_secon
     """Keepalive does not probe a link with data waiting for its acknowledgement (the kernel retransmits
     it for ~15 min): without the host's idle watch link, only --step-timeout (600 s) noticed."""
     script = Path(__file__).with_name("blackholed_host.py")
-    run = subprocess.run(["unshare", "-n", sys.executable, str(script), str(_port_triple_free_now())],
+    run = subprocess.run(["unshare", "-n", sys.executable, str(script), str(loopback_ports(3))],
                          capture_output=True, text=True, timeout=90)
     assert run.returncode == 0, run.stderr[-3000:]
     seconds, _, why = run.stdout.strip().partition(" ")

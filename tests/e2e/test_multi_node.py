@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from evenflow.protocol import SamplingParams
 from evenflow.protocol.link_auth import SECRET_ENV
 from tests.checkpoints import reference_greedy
 from tests.e2e.harness import start_engine
+from tests.ports import loopback_ports
 
 pytestmark = pytest.mark.slow
 
@@ -32,12 +32,6 @@ LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 33, 9, 100, 4, 8], list(range(1, 40))]
 
 
-def _port_base() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return min(int(s.getsockname()[1]), 65000)
-
-
 def _generate(client: BlockingEngineClient, rid: str, prompt: list[int]) -> list[int]:
     return [t for out in client.generate(rid, prompt, GREEDY) for t in out.new_token_ids]
 
@@ -45,7 +39,7 @@ def _generate(client: BlockingEngineClient, rid: str, prompt: list[int]) -> list
 def test_two_hosts_match_tp1_and_a_lost_host_stops_the_engine(tiny_llama: Path, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SECRET_ENV, "loopback-test-secret-0123456789")
-    port = _port_base()
+    port = loopback_ports(3)
     nodes = ("-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
     host1_log = open(tmp_path / "host1.log", "wb")
     host1 = subprocess.Popen([sys.executable, "-m", "evenflow.core", "--model", str(tiny_llama), *FLAGS, *nodes,
@@ -85,7 +79,7 @@ def test_two_hosts_match_tp1_and_a_lost_host_stops_the_engine(tiny_llama: Path, 
 def test_paused_hosts_lose_nothing_and_a_headless_host_leaves_when_the_engine_core_is_gone(tiny_llama: Path, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SECRET_ENV, "loopback-test-secret-0123456789")
-    port = _port_base()
+    port = loopback_ports(3)
     nodes = ("-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
     host1_log_path = tmp_path / "host1.log"
     with open(host1_log_path, "wb") as host1_log:

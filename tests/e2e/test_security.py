@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import stat
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from evenflow.frontend.cli import frontend_parser, keygen_main
 from evenflow.frontend.clients.engine_client import EngineClient, EngineError
 from evenflow.protocol import SamplingParams
 from evenflow.protocol.curve import is_loopback
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,12 +63,6 @@ def test_no_pickle_eval_or_exec_anywhere_in_the_tree() -> None:
     assert not hits, "\n".join(hits)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _try(address: str, keys: Path | None, timeout: float) -> list[int] | EngineError:
     client = EngineClient(address, "curve-test", curve_keys=str(keys) if keys else None)
     try:
@@ -90,7 +84,7 @@ def test_curve_link_serves_only_authorized_frontends(tiny_llama: Path, tmp_path:
         assert stat.S_IMODE(secret.stat().st_mode) == 0o600
     # The rogue knows the engine's public key, but its own key was never authorized.
     (rogue / "engine.key").write_bytes((keys / "engine.key").read_bytes())
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     log = open(tmp_path / "engine.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "evenflow.core", "--model", str(tiny_llama), "--listen", address,
                              "--curve-keys", str(keys), "--max-model-len", "256", "--num-kv-blocks", "32",

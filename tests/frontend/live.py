@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,12 +12,6 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from evenflow.protocol.lifeline import stop_processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -15,7 +15,8 @@ import psutil
 import pytest
 
 from tests.e2e.harness import start_engine
-from .live import free_port, start, stop, tail, wait_for
+from .live import start, stop, tail, wait_for
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

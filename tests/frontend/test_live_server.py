@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from .live import free_port, metric, start, stop, tail, wait_for
+from .live import metric, start, stop, tail, wait_for
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

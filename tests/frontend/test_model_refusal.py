@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .live import free_port
+from tests.ports import free_port
 
 
 def _refusals(tmp_path: Path) -> list[Path]:

@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .live import free_port, start, stop, wait_for
+from .live import start, stop, wait_for
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

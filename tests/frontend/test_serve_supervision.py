@@ -18,7 +18,8 @@ import pytest
 
 from evenflow.frontend.supervisor import Child, Supervisor
 from evenflow.protocol.lifeline import RUNTIME_DIR_MAX_LEN
-from .live import free_port, start, stop, wait_for
+from .live import start, stop, wait_for
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

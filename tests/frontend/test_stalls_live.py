@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from tests.e2e.harness import start_engine
-from .live import free_port, start, stop, wait_for
+from .live import start, stop, wait_for
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,8 @@ from evenflow.core.sched.structured_output import COMPILE_DELAY_ENV, COMPILE_DEL
 from evenflow.protocol.hf_config import read_hf_config
 from evenflow.protocol.structured_outputs import to_grammar
 
-from .live import free_port, start, stop, wait_for
+from .live import start, stop, wait_for
+from tests.ports import free_port
 
 llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")

@@ -10,7 +10,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.frontend.live import free_port, start, stop, wait_for
+from tests.frontend.live import start, stop, wait_for
+from tests.ports import free_port
 from tests.lora_adapters import make_random_adapter, peft_greedy
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,8 @@ from evenflow.protocol import ModelRunnerOutput, WorkerConfig
 from evenflow.protocol.lora import LoRAConfig
 from tests.lora.test_lora_reference import check_against_peft, lora_jobs, run
 from tests.worker.test_runner_correctness import make_prompt
-from tests.worker.test_tensor_parallel import REPO, free_port
+from tests.ports import free_port
+from tests.worker.test_tensor_parallel import REPO
 
 pytestmark = pytest.mark.slow
 

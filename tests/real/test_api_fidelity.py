@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from evenflow.protocol.gguf_tokenizer import tokenizer_json_text
-from tests.frontend.live import free_port, start, stop, wait_for
+from tests.frontend.live import start, stop, wait_for
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

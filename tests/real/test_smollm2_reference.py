@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from evenflow.core.sched.budget_controller import BudgetController
+from evenflow.core.sched.layered_prefill import LayerPrice
 from evenflow.core.sched.structured_output import StructuredOutputManager
 from evenflow.frontend.chat_template import render_chat
 from evenflow.frontend.tokenizer import Tokenizer
@@ -87,10 +88,14 @@ def test_prompts_by_layer_groups_beside_a_stream(runner: ModelRunner, smollm2_to
                                                  overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a target no step meets, the later prompts (each after the shared system prompt's cached
     blocks) climb the 30 layers a group a step beside the decoding stream (the controller's choice of
-    groups over chunks forced: tests/core/test_layered_prefill.py tests it)."""
+    groups over chunks forced, and every layer priced as never measured, so each group probes one layer
+    whatever this machine's timings: tests/core/test_layered_prefill.py tests the pricing)."""
     monkeypatch.setattr(BudgetController, "prefers_layers", lambda *args: True)
-    jobs = [Job(f"lay-{i}-{overlap}", chat_ids(smollm2_tokenizer, q), 40 if i == 0 else 8, arrive_step=12 * i)
-            for i, q in enumerate(QUESTIONS)]
+    monkeypatch.setattr(LayerPrice, "per_layer_s", lambda *args: None)
+    # One prompt climbs at a time, one layer a step: the second arrives after the first's 30 steps, while
+    # the first stream still decodes.
+    jobs = [Job(f"lay-{i}-{overlap}", chat_ids(smollm2_tokenizer, q), 96 if i == 0 else 8, arrive_step=arrive)
+            for (i, q), arrive in zip(enumerate(QUESTIONS), (0, 12, 52))]
     result = run_jobs(runner, jobs, num_blocks=64, budget=2048, overlap=overlap,
                       scheduler_overrides={"target_itl_ms": 0.001, "num_layers": 30})
     climbed = {req for s in result.steps for req in s.layer_spans}

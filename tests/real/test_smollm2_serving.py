@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from evenflow.frontend.tokenizer import Tokenizer
-from tests.frontend.live import free_port, start, stop, wait_for
+from tests.frontend.live import start, stop, wait_for
+from tests.ports import free_port
 
 # The first test also waits for the model loads of its fixtures; on a shared 2-core machine that
 # alone can pass the suite's 300 s default.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +14,9 @@ from evenflow.protocol import ModelRunnerOutput, SpeculativeConfig, WorkerConfig
 from tests.worker.harness import Job, make_runner, run_jobs
 from tests.worker.test_runner_correctness import make_prompt
 from tests.worker.test_spec_decode_greedy import copy_prompt
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ from typing import Literal
 
 from evenflow.protocol import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 
-from evenflow.core.sched.aim import AIM_MIN_SAMPLES, Aim
+from evenflow.core.sched.aim import AIM_MIN_SAMPLES, FILLED_SHARE, Aim
 from evenflow.core.sched.auto_target import AutoTarget
 from evenflow.core.sched.budget_stats import BudgetLog, BudgetStats
 from evenflow.core.sched.budget_trace import BudgetTrace, PlannedStep
@@ -78,7 +78,7 @@ class _Planned:
     has_decodes: bool
     prefill_share: float = 0.0  # its prompt work in tokens through every layer, unrounded (a group: tokens x share)
     decodes_alone_s: float = 0.0  # the model's prediction of the step without its prompt chunks
-    aimed: bool = False  # its allowance was sized to the aim (not forced by the share or the floor)
+    filled: bool = False  # its prompt work was sized to the aim (not the share or the floor) and fills it (aim.py)
     prefill_context: int = 0  # computed tokens before its first prompt chunk
     layers: int = 0  # a layered prefill's group: its layers, its chunk's tokens and its price's key
     layer_tokens: int = 0
@@ -306,8 +306,10 @@ class BudgetController:
             key, layers, measured_s = layered
             if measured_s >= 0:  # priced (by earlier groups of its shape, or the fit); -1: a probe
                 predicted_s = max(alone_s, 0.0) + measured_s
-        planned = _Planned(shape, predicted_s, survey.decodes > 0, gate.prefill_tokens * gate.chunk_share, alone_s,
-                           self._bound_by not in UNAIMED, context)
+        prefill_share = gate.prefill_tokens * gate.chunk_share
+        filled = (survey.decodes > 0 and prefill_share > 0 and self._bound_by not in UNAIMED
+                  and predicted_s >= FILLED_SHARE * self.target_s)
+        planned = _Planned(shape, predicted_s, survey.decodes > 0, prefill_share, alone_s, filled, context)
         if layered is not None and gate.chunk_share < 1:
             planned.layers, planned.layer_key, planned.layer_tokens = layered[1], layered[0], gate.prefill_tokens
         if self._pending_trace is not None:
@@ -360,7 +362,7 @@ class BudgetController:
         fewer threads, are the machine's, and are learnt."""
         if planned.has_decodes and planned.predicted_s > 0 and self.model.num_observations >= MIN_OBSERVATIONS:
             self.stats.count_step(planned.predicted_s, seconds, self.target_s)
-            self.aim.follow_step(planned.has_prefill)  # one of the streams' gaps all the same
+            self.aim.follow_step(planned.filled)  # one of the streams' gaps all the same
         if planned.trace is not None and self._trace is not None:
             planned.trace.measured_ms, planned.trace.contended = seconds * 1e3, True
             self._trace.write(planned.trace)
@@ -371,12 +373,12 @@ class BudgetController:
         return self.aim.share * self.target_s
 
     def _follow(self, planned: _Planned, seconds: float) -> None:
-        """Feed one decode-carrying step back: the aim (a prefill step), and the derived target."""
-        self.aim.follow_step(planned.has_prefill)
+        """Feed one decode-carrying step back: the aim (a step that filled it), and the derived target."""
+        self.aim.follow_step(planned.filled)
         if planned.has_prefill:
             self.prompt_cost.observe(seconds, planned.decodes_alone_s, planned.prefill_tokens,
                                      planned.prefill_context)
-        if planned.has_prefill and planned.aimed and self.model.num_observations >= AIM_WARM_UP:
+        if planned.filled and self.model.num_observations >= AIM_WARM_UP:
             self.aim.follow_error(seconds / planned.predicted_s)
         if self.auto is not None:
             decode_s = seconds

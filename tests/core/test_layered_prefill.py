@@ -10,11 +10,11 @@ from evenflow.core.component_configs import layered_prefill_layers
 from evenflow.core.engine_config import EngineConfig
 from evenflow.core.request import Request
 from evenflow.core.sched.config import ConfigError, SchedulerConfig
-from evenflow.core.sched.layered_prefill import CLIMB_SEATS, LayerPrice, may_layer, price_key
+from evenflow.core.sched.layered_prefill import LayerPrice, group_tokens, may_layer, price_key
 from evenflow.core.sched.prefill_gate import survey_running
 from evenflow.core.sched.scheduler import Scheduler
 from evenflow.core.sched.step_time_model import shape_of_step
-from evenflow.protocol import ModelRunnerOutput, SamplingParams
+from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 from .synthetic_timing import SyntheticMachine
 from .test_budget_controller import add, run_step
@@ -32,7 +32,8 @@ def scheduler_with_streams(target_itl_ms: float = 30.0, num_layers: int = LAYERS
 
 def test_a_long_prompt_beside_streams_climbs_the_layers_within_the_target() -> None:
     """Its groups run in consecutive spans within the target; a long prompt behind it waits, a short
-    one arriving mid-climb takes one step between two groups."""
+    one arriving mid-climb goes whole beside a group sized to the room it leaves (alone in a step
+    between two groups, it left about half of that step's room unused)."""
     scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
     for _ in range(60):  # the fit learns the machine on the streams' steps and floor chunks
         run_step(scheduler, machine)
@@ -42,7 +43,7 @@ def test_a_long_prompt_beside_streams_climbs_the_layers_within_the_target() -> N
     counted = scheduler.get_stats().scheduler.num_scheduled_tokens
     while "long" in scheduler.requests and scheduler.requests["long"].num_output_tokens == 0:
         if len(spans) == 2 and "short" not in scheduler.requests:
-            add(scheduler, "short", 40)  # arrives mid-climb: one step between two groups, whole
+            add(scheduler, "short", 40)  # arrives mid-climb: whole, beside the next group
         output, step_s = run_step(scheduler, machine)
         counted += output.total_num_scheduled_tokens - output.num_scheduled_tokens.get("long", 0)
         assert "long-behind" not in output.num_scheduled_tokens  # a long prompt waits for the climb
@@ -53,11 +54,13 @@ def test_a_long_prompt_beside_streams_climbs_the_layers_within_the_target() -> N
             last = spans[-1][1] == LAYERS
             assert scheduler.requests["long"].num_computed_tokens == (2000 if last else 0)
             assert scheduler.kv_cache_manager.num_cached_blocks["long"] == (2000 // 16 if last else 0)
-            assert all(n == 1 for r, n in output.num_scheduled_tokens.items() if r != "long")  # its room alone
-        elif output.num_scheduled_tokens.get("short", 0) > 1:
-            kinds.append("short")
-            assert output.num_scheduled_tokens["short"] == 40
-    assert kinds.count("short") == 1 and kinds[kinds.index("short") + 1] == "group"
+            if output.num_scheduled_tokens.get("short", 0) > 1:
+                kinds[-1] = "group+short"
+                assert output.num_scheduled_tokens["short"] == 40
+            assert all(n == 1 for r, n in output.num_scheduled_tokens.items() if r not in ("long", "short"))
+        else:
+            kinds.append("other")
+    assert kinds.count("group+short") == 1 and "other" not in kinds
     assert spans[0][0] == 0 and spans[-1][1] == LAYERS
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     assert 2 <= len(spans) < LAYERS  # several layers a step once the price of one is measured
@@ -191,34 +194,41 @@ def test_a_last_group_of_fewer_layers_keeps_the_price_of_a_layer() -> None:
     assert all(abs(e - 1) < 0.05 for e in errors[1] + errors[2]), errors  # a linear machine, measured groups
 
 
-def test_streams_started_mid_climb_leave_the_climb_its_room_in_the_budget() -> None:
-    """A prompt as long as the budget left beside the streams climbs all but ``CLIMB_SEATS`` of it; a
-    short prompt arriving before each group goes whole between two groups and then decodes beside
-    them, and every group still fits the token budget: the climb never waits two steps in a row (sized
-    to the whole budget, it waited for the new streams to finish, ~4 s served). Its last tokens go in
-    a chunk after it."""
+def budget_work(output: SchedulerOutput) -> int:
+    """The step's tokens as its budget counts them: a layer group's share of its chunk."""
+    shares = sum(group_tokens(output.num_scheduled_tokens[r], span, LAYERS) - output.num_scheduled_tokens[r]
+                 for r, span in output.layer_spans.items())
+    return output.total_num_scheduled_tokens + shares
+
+
+def test_a_climb_takes_its_whole_prompt_and_each_group_its_share_of_the_budget() -> None:
+    """A prompt as long as the whole budget climbs all of it beside the streams: each group is charged
+    its share of the chunk (its tokens through a slice of the layers), so the streams and the short
+    prompts started beside it fit the budget too, and no token of it is left for a chunk after the
+    climb (32 kept back for new streams left a 2048-token prompt a ~100 ms step of its last 38 tokens).
+    A short prompt arriving before each group goes whole beside it; none waits for the climb, and the
+    climb never waits a step (charged its whole chunk, it waited for the new streams to finish, ~4 s
+    served)."""
     scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
     for _ in range(60):
         run_step(scheduler, machine)
     budget = scheduler.config.max_num_batched_tokens
-    add(scheduler, "long", budget - 8)  # the 8 streams take the rest of the first step's budget
+    add(scheduler, "long", budget)
     kinds: list[str] = []
     while "long" in scheduler.requests and scheduler.requests["long"].num_output_tokens == 0:
-        if not kinds or kinds[-1] == "group":
+        if not kinds or kinds[-1].startswith("group"):
             add(scheduler, f"short-{len(kinds)}", 24, max_tokens=1000)
         output, _ = run_step(scheduler, machine)
-        assert output.total_num_scheduled_tokens <= budget
+        short = any(n == 24 for n in output.num_scheduled_tokens.values())
         if "long" in output.layer_spans:
-            kinds.append("group")
-            assert output.num_scheduled_tokens["long"] == budget - 8 - CLIMB_SEATS
-        elif "long" in output.num_scheduled_tokens:
-            kinds.append("rest")
-            assert output.num_scheduled_tokens["long"] == CLIMB_SEATS  # its last tokens, a chunk
+            kinds.append("group+short" if short else "group")
+            assert output.num_scheduled_tokens["long"] == budget
+            assert budget_work(output) <= budget < output.total_num_scheduled_tokens
         else:
-            kinds.append("short" if any(n == 24 for n in output.num_scheduled_tokens.values()) else "other")
-    climb = kinds[:kinds.index("rest")]
-    assert climb.count("group") >= 2 and climb.count("short") >= 1
-    assert "other" not in climb and all(a != b for a, b in zip(climb, climb[1:]))  # groups and shorts alternate
+            assert "long" not in output.num_scheduled_tokens  # no chunk of it outside the climb
+            kinds.append("short" if short else "other")
+    assert kinds.count("group+short") >= 2 and kinds[-1].startswith("group"), kinds
+    assert not {"short", "other"} & set(kinds), kinds
 
 
 def test_beside_a_climb_a_prompt_goes_whole_or_not_at_all_under_the_partial_prefill_cap() -> None:
@@ -257,7 +267,7 @@ def test_a_climb_first_in_the_running_order_leaves_room_for_every_stream_behind_
         output, _ = run_step(scheduler, machine)
         steps += 1
         groups += "vip" in output.layer_spans
-        assert output.total_num_scheduled_tokens <= budget
+        assert budget_work(output) <= budget
         assert all(output.num_scheduled_tokens.get(f"stream-{i}", 0) >= 1 for i in range(40))  # nobody skipped
         assert steps < 200, "the climb never fitted beside the streams"
     assert groups >= 2 and scheduler.get_stats().scheduler.num_layered_prefills >= 2
@@ -456,22 +466,22 @@ def test_a_layer_price_measured_at_nothing_is_the_fits_share() -> None:
     survey = survey_running(scheduler.running, scheduler._long_threshold)
     key = price_key(2000, 0)
     controller.largest_prefill_seen = 2000.0  # trust is not what bounds the probe
-    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=0) == 1  # never measured: a probe
+    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=0, most=LAYERS - 0) == 1  # never measured: a probe
     assert controller._bound_by == "probe"
     controller.layer_price.observe(key, -0.001, 1, 2000)  # the probe ran under its decodes' prediction
     assert controller.layer_price.per_layer_s(key, 2000) == 0.0
     controller.largest_prefill_seen = 2000 / LAYERS  # trust: the probe's layer
-    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=1) == 2  # twice the last group: trust
+    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=1, most=LAYERS - 1) == 2  # twice the last group: trust
     assert controller._bound_by == "trust"
     controller.largest_prefill_seen = 2000.0
     cost = controller.model.fitted_costs()
     _, room_s, _ = controller._prompt_room(cost, survey)
     fit_s, source = controller._layer_price_s(cost, key, 2000, 0, LAYERS)
     assert source == "fit" and fit_s > 0 and int(room_s / fit_s) >= 1
-    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=1) == min(int(room_s / fit_s), LAYERS - 1)
+    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=1, most=LAYERS - 1) == min(int(room_s / fit_s), LAYERS - 1)
     # Where the fit's price does not fit the room, the climb goes on by a probe: the fit's guess stops nothing.
     base_s = controller._prompt_room(cost, survey)[0]
     controller._prompt_room = lambda cost, survey: (base_s, fit_s / 2, "aim")  # type: ignore[method-assign]
-    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=5) == 1
+    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=5, most=LAYERS - 5) == 1
     assert controller._bound_by == "probe" and scheduler.get_stats().scheduler.num_layered_prefills_stopped == 0
     assert controller.layer_price.per_layer_s(key, 2000) == 0.0  # not forgotten

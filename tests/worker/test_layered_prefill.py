@@ -161,6 +161,20 @@ def test_prompts_climb_the_layers_beside_streams_and_give_the_reference_tokens(f
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+def test_a_short_prompt_whole_beside_a_group_is_exact(five_layers: Path, overlap: bool, layers_preferred: None,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short prompt arriving mid-climb goes whole in the same step as a group (one layer beside it,
+    forced: the controller sizes it to the room the prompt leaves, tests/core/test_layered_prefill.py),
+    its rows through every layer and the climb's through its span, and every output is the reference."""
+    monkeypatch.setattr(BudgetController, "layer_group_beside", lambda *args: 1)
+    runner = make_runner(five_layers, num_blocks=128, block_size=4)
+    result = _run_exact(runner, five_layers, _layered_jobs(), overlap)
+    short_step = next(so for so in result.steps if so.num_scheduled_tokens.get("short", 0) == 5)
+    assert "long" in short_step.layer_spans  # rode beside one of its groups
+    assert len(runner.layered_hidden) == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 def test_climbs_stopped_for_an_overrun_go_on_in_token_chunks_and_are_exact(five_layers: Path, overlap: bool,
                                                                           layers_started: None,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 from evenflow.protocol import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 
@@ -46,15 +45,14 @@ from evenflow.core.sched.auto_target import AutoTarget
 from evenflow.core.sched.budget_stats import BudgetLog, BudgetStats
 from evenflow.core.sched.budget_trace import BudgetTrace, PlannedStep
 from evenflow.core.sched.config import SchedulerConfig
-from evenflow.core.sched.layered_prefill import LayerPrice, price_key
+from evenflow.core.sched.layer_group_sizing import MIN_OBSERVATIONS, TRUST_GROWTH, LayerGroupSizing
+from evenflow.core.sched.layered_prefill import LayerPrice
 from evenflow.core.sched.prefill_gate import PrefillGate, RunningSurvey
 from evenflow.core.sched.step_time_model import (
-    MeasuredPromptCost, StepCosts, StepShape, StepTimeModel, chunk_pairs, shape_of_step,
+    MeasuredPromptCost, StepCosts, StepShape, StepTimeModel, shape_of_step,
 )
 
 PREFILL_FLOOR_TOKENS = 16
-MIN_OBSERVATIONS = 8  # steps observed before the model's prediction is trusted over the floor
-TRUST_GROWTH = 2.0
 TRUSTED_ERROR = 1.25  # measured / predicted of a step whose chunk the model is trusted with
 AIM_WARM_UP = 4 * MIN_OBSERVATIONS  # steps fitted before errors count: a young fit's errors are not the machine's
 DECODE_ONLY_STALE = 64  # decode-carrying steps with no decode-only one before prefill steps tell the decode step
@@ -62,14 +60,8 @@ PREFILL_MIN_SHARE = 0.2  # of a step's predicted time, for a prompt to prefill b
 # The fit may price a prompt token down to this share of what the last prefill steps measured
 # (MeasuredPromptCost); below it the measured cost sizes the chunk and predicts its step.
 MEASURED_COST_SHARE = 0.8
-# Layers of a prompt a step's room must hold for it to climb rather than go in token chunks: a room of
-# 1.5 layers runs one and leaves the rest of every step unused, where a chunk fills it.
-MIN_LAYERS_A_STEP = 2
 MEASURED_WINDOW = 64  # prefill steps a context bucket remembers
 UNAIMED = ("share", "floor", "warm-up", "probe")  # allowances the aim did not size: their steps do not move it
-
-LayerPriceSource = Literal["measured", "fit", "unknown"]  # where a layer's price comes from (_layer_price_s)
-
 
 @dataclass
 class _Planned:
@@ -94,7 +86,7 @@ class _Planned:
         return self.prefill_share > 0
 
 
-class BudgetController:
+class BudgetController(LayerGroupSizing):
     """Chooses prefill allowances for a target step time and learns from the steps that ran."""
 
     def __init__(self, target_s: float | None, max_tokens: int, max_model_len: int, max_requests: int) -> None:
@@ -157,85 +149,6 @@ class BudgetController:
                                               base_s * 1e3, allowance, bound_by)
         return allowance
 
-    def prefers_layers(self, survey: RunningSurvey, num_tokens: int, num_computed: int, num_layers: int) -> bool:
-        """Whether a prompt chunk (``num_tokens`` after ``num_computed``) that the step's allowance cuts
-        goes by layer groups instead (layered_prefill.py): past the fit's warm-up, beside decodes, where
-        ``MIN_LAYERS_A_STEP`` of its layers fit the aim's room beside them (else every group would
-        overrun or leave the room unused: it goes in chunks)."""
-        if not survey.decodes or self.model.num_observations < MIN_OBSERVATIONS:
-            return False
-        cost = self.model.fitted_costs()
-        _, room_s, bound_by = self._prompt_room(cost, survey)
-        if bound_by != "aim":  # the decodes alone take the aim: the prompt goes in chunks of its share
-            return False
-        per_layer_s, _ = self._layer_price_s(cost, price_key(num_tokens, num_computed), num_tokens, num_computed,
-                                             num_layers)
-        return 0 < per_layer_s * min(MIN_LAYERS_A_STEP, num_layers) <= room_s
-
-    def _layer_price_s(self, cost: StepCosts, key: tuple[int, int], num_tokens: int, num_computed: int,
-                       num_layers: int) -> tuple[float, LayerPriceSource]:
-        """One layer of the chunk beside the decodes, and where that price comes from: "measured" by groups
-        of its shape (``LayerPrice``); else the fit's share of the whole chunk, "fit" where groups of the
-        shape ran within the fit's error of their decodes alone (measuring the layer at nothing), "unknown"
-        where none ran yet (or the fit prices the chunk at nothing)."""
-        measured_s = self.layer_price.per_layer_s(key, num_tokens)
-        if measured_s is not None and measured_s > 0:
-            return measured_s, "measured"
-        whole_s = (cost.per_token * num_tokens + cost.per_read * (num_computed + num_tokens)
-                   + cost.per_pair * chunk_pairs(num_tokens, num_computed))
-        fit_s = max(whole_s, self._prompt_token_floor_s(num_computed) * num_tokens) / num_layers
-        return fit_s, "fit" if measured_s is not None and fit_s > 0 else "unknown"
-
-    def layer_group(self, survey: RunningSurvey, num_tokens: int, num_computed: int, num_layers: int,
-                    next_layer: int) -> int:
-        """Layers a prompt prefilled by layer groups (``num_tokens`` after ``num_computed``) runs through in
-        the next step, from ``next_layer`` on (layered_prefill.py): the layers whose price fits the aim's
-        room beside the decodes, at least one, at most those left; bounded by trust as an allowance is, in
-        tokens x share. A shape no group measured yet runs one layer, which measures it (the fit's share
-        of a whole chunk overran by up to 1.7x); one whose groups measured their layer at nothing is priced
-        by the fit, the error the groups ran within (probed again instead, every group ran one layer: a
-        short prompt climbed 30 steps right after start-up), and probes one layer where that price does not
-        fit the room. A measured layer over the aim's room but within the target runs alone (stopped, the
-        climb's layers so far would be lost). 0: a layer of it, as measured, overruns the target beside the
-        decodes (or, before its first group ran, the room): what the fit foresaw was too little, and the
-        climb stops to go on in token chunks within the target (docs/tuning.md)."""
-        if survey.decodes == 0:
-            self._bound_by = "room"
-            return num_layers - next_layer
-        if self.model.num_observations < MIN_OBSERVATIONS:
-            self._bound_by = "warm-up"
-            return 1
-        cost = self.model.fitted_costs()
-        base_s, room_s, self._bound_by = self._prompt_room(cost, survey)
-        key = price_key(num_tokens, num_computed)
-        per_layer_s, source = self._layer_price_s(cost, key, num_tokens, num_computed, num_layers)
-        layers = int(room_s / per_layer_s) if per_layer_s > 0 else num_layers
-        measured = source == "measured"
-        if measured and layers < 1 and next_layer > 0 and max(base_s, 0.0) + per_layer_s <= self.target_s:
-            layers, self._bound_by = 1, "target"
-        elif measured and layers < 1:
-            self._bound_by = "overrun"
-            self.stats.layered_prefills_stopped += 1
-            self.layer_price.forget(key)
-            return 0
-        probe = source == "unknown" or layers < 1  # never measured, or the fit's price does not fit: measure it
-        if probe:
-            layers, self._bound_by = 1, "probe"
-        # Twice the last group's layers when it kept the target, unrounded: rounded, a climb trusted with
-        # nothing else (no chunk beside decodes yet) stayed at one layer a step.
-        trusted = int(num_layers * TRUST_GROWTH * self.largest_prefill_seen / num_tokens + 1e-6)
-        if trusted < layers:
-            layers, self._bound_by = trusted, "trust"
-        if layers < 1:
-            layers, self._bound_by = 1, "floor"
-        layers = min(layers, num_layers - next_layer)
-        self.stats.layer_group_steps += 1
-        self._pending_layers = (key, layers, -1.0 if probe else layers * per_layer_s)
-        if self._trace is not None:
-            self._pending_trace = PlannedStep(-1, self.target_s * 1e3, self.aim_s * 1e3, survey.decodes,
-                                              base_s * 1e3, layers, f"layers:{self._bound_by}")
-        return layers
-
     def _prompt_room(self, cost: StepCosts, survey: RunningSurvey) -> tuple[float, float, str]:
         """The step's decodes alone (predicted), the seconds a prompt may add beside them, and the rule
         that set those: the aim's room, or, where the decodes alone take the aim, the prompt's share of
@@ -294,8 +207,10 @@ class BudgetController:
         prefill_tokens = round(gate.prefill_tokens * gate.chunk_share)
         step_id = output.step_id
         self._planned.pop(step_id - 8, None)  # a step never sent (an engine shutting down) is not kept
-        decodes_alone = shape_of_step(survey.decodes, survey.decode_context, [], drafts)
-        alone_s = self.model.predict(decodes_alone)
+        # Without its prompt work: the decodes, and beside a layer group the short prompts that ride with it.
+        alone_s = self.model.predict(shape_of_step(survey.decodes, survey.decode_context, [], drafts))
+        if gate.chunks_beside:
+            alone_s = max(alone_s, 0.0) + self.chunks_s(self.model.fitted_costs(), gate.chunks_beside)
         predicted_s = self.model.predict(shape)
         context = gate.chunks[0][1] if gate.chunks else 0
         if survey.decodes and prefill_tokens:

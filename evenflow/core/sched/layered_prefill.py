@@ -16,10 +16,10 @@ enough to prefill whole within a step's allowance: that one takes a step between
 two steps in a row), so a short request's first token waits for one step, not for the whole climb
 (beside the climbs of 2048-token prompts, served on the real GGUF, the streams' new prompts had a
 p99 TTFT of ~1 s, 1.6-2.5x the fixed budget's). Each such prompt then decodes beside the groups, a
-token a step, so the climb's chunk leaves ``CLIMB_SEATS`` of the token budget for them (its last
-tokens go in a chunk after it): sized to the whole budget, a climb beside two more streams no longer
-fit a step and waited ~4 s for them to finish. The workers keep its residual stream between its steps
-(evenflow/worker/layered_prefill.py).
+token a step. A group is charged its share of the chunk against the token budget (``group_tokens``:
+its tokens through a slice of the layers do that share of their work), so the chunk is the prompt's
+whole rest and the streams it starts still fit: in its layers a step has more rows than the budget.
+The workers keep its residual stream between its steps (evenflow/worker/layered_prefill.py).
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from dataclasses import dataclass
 
 from evenflow.core.request import Request
 from evenflow.core.sched.config import SchedulerConfig
-
-CLIMB_SEATS = 32  # of the token budget a climb leaves for the streams started beside it
 
 
 @dataclass

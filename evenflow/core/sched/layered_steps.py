@@ -10,7 +10,7 @@ from __future__ import annotations
 from evenflow.protocol import CachedRequestData
 
 from evenflow.core.request import Request, RequestStatus
-from evenflow.core.sched.layered_prefill import CLIMB_SEATS, LayeredPrefill, may_layer
+from evenflow.core.sched.layered_prefill import LayeredPrefill, group_tokens, may_layer
 from evenflow.core.sched.ledger import RequestLedger
 from evenflow.core.sched.step_plan import StepPlan
 
@@ -31,24 +31,22 @@ class LayeredSteps(RequestLedger):
                 or gate.is_open or gate.whole_only or not gate.survey.decodes or gate.prefill_tokens
                 or request is self._stopped_climb):
             return False
-        num_new = self._layered_chunk(request, num_computed, token_budget)
+        num_new = self._layered_chunk(request, num_computed)
         controller = self.budget_controller
         return (controller is not None and num_new > gate.allowance_left and may_layer(self.config, request, num_new)
                 and controller.prefers_layers(gate.survey, num_new, num_computed, self.config.num_layers))
 
-    def _layered_chunk(self, request: Request, num_computed: int, token_budget: int) -> int:
-        """The tokens a layered prefill of ``request`` takes: all it has left, as far as the step holds
-        beside a decode of every other running request, less ``CLIMB_SEATS`` (room for the streams short
-        prompts may start while it climbs). Beside the others, not at its place in the running order: a
-        request ahead of 40 streams under the priority policy, sized to the whole budget, never fitted."""
-        others = len(self.running) - (request.status == RequestStatus.RUNNING)
-        room = min(token_budget, self.config.max_num_batched_tokens - others) - CLIMB_SEATS
-        return self._clamp(request.num_tokens - num_computed, num_computed, max(room, 2))
+    def _layered_chunk(self, request: Request, num_computed: int) -> int:
+        """The tokens a layered prefill of ``request`` takes: all it has left, up to the token budget.
+        Its groups are charged their share of them (``_schedule_layer_group``), so the climb needs no
+        room kept for the streams that start beside it, and leaves no tail of tokens for a chunk after it
+        (32 kept back left a 2048-token prompt's last 38 tokens a ~100 ms step of their own)."""
+        return self._clamp(request.num_tokens - num_computed, num_computed, self.config.max_num_batched_tokens)
 
-    def _start_running_layered(self, step: StepPlan, request: Request, token_budget: int) -> bool:
+    def _start_running_layered(self, step: StepPlan, request: Request) -> bool:
         """A running request mid-prompt (resumed, or chunked before streams were decoding) continues by
         layer groups when the free blocks hold its chunk (else False: a token chunk, which may preempt)."""
-        num_new = self._layered_chunk(request, request.num_computed_tokens, token_budget)
+        num_new = self._layered_chunk(request, request.num_computed_tokens)
         new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, cache=False)
         if new_blocks is None:
             return False
@@ -61,16 +59,31 @@ class LayeredSteps(RequestLedger):
 
     def _schedule_layer_group(self, step: StepPlan) -> None:
         """The layered prefill's next group of layers, after everybody else: it waits a step while the
-        step cannot hold its chunk. Its last group counts the chunk as computed and samples."""
+        step's token budget cannot hold a layer's share of its chunk (a group is charged its share: its
+        tokens through a slice of the layers are that share of their work; in the slice's layers the step
+        has more rows than the budget). Its last group counts the chunk as computed and samples."""
         layered = self._layered
         assert layered is not None and self.budget_controller is not None  # layered only under the controller
         request = layered.request
-        self._yielded = step.gate.prefill_tokens > 0  # short prompts took this step's room
-        if self._yielded or layered.num_tokens > step.token_budget or request.held:
-            return
+        gate = step.gate
+        self._yielded = gate.prefill_tokens > 0  # short prompts took some of this step's room ...
         num_layers = self.config.num_layers
-        layers = self.budget_controller.layer_group(step.gate.survey, layered.num_tokens, layered.num_computed,
-                                                    num_layers, layered.next_layer)
+        most = num_layers - layered.next_layer  # the layers whose share the token budget holds
+        while most > 0 and group_tokens(layered.num_tokens, layered.span(most, num_layers),
+                                        num_layers) > step.token_budget:
+            most -= 1
+        if most == 0 or request.held:
+            return
+        controller = self.budget_controller
+        if self._yielded:  # ... and a group rides beside them in what they left, or the climb waits a step
+            layers = controller.layer_group_beside(gate.survey, gate.chunks, layered.num_tokens, layered.num_computed,
+                                                   num_layers, most)
+            if layers == 0:
+                return
+            self._yielded = False  # the climb did not wait: short prompts may come again next step
+        else:
+            layers = controller.layer_group(gate.survey, layered.num_tokens, layered.num_computed, num_layers,
+                                            layered.next_layer, most)
         if layers == 0:  # a layer overruns the room: it goes on in token chunks from the next step, all layers
             self._layered, self._stopped_climb = None, request
             return
@@ -81,8 +94,8 @@ class LayeredSteps(RequestLedger):
                                                       num_computed_tokens=layered.num_computed))
         step.layer_spans[req_id] = (start, end)
         step.num_scheduled_tokens[req_id] = layered.num_tokens
-        step.token_budget -= layered.num_tokens
-        step.gate.commit_layer_group(layered.num_tokens, layered.num_computed, (end - start) / num_layers)
+        step.token_budget -= group_tokens(layered.num_tokens, (start, end), num_layers)
+        gate.commit_layer_group(layered.num_tokens, layered.num_computed, (end - start) / num_layers)
         if end < num_layers:
             layered.next_layer = end
             return

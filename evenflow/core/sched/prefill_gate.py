@@ -80,6 +80,7 @@ class PrefillGate:
         self.prefill_tokens = 0
         self.chunks: list[tuple[int, int]] = []  # (new tokens, computed before), for the step-time model
         self.chunk_share = 1.0  # of the layers the chunks run through (a layered prefill's group)
+        self.chunks_beside: list[tuple[int, int]] = []  # short prompts whole beside a layered prefill's group
         self.whole_only = False  # only prompts that finish within the allowance (whole_prompts_only) ...
         self.seats = 0  # ... and this many of them
         if self.bounded:
@@ -139,7 +140,9 @@ class PrefillGate:
                 and request.num_tokens + self.survey.decodes <= max_num_batched_tokens)
 
     def commit_layer_group(self, num_new: int, num_computed: int, share: float) -> None:
-        """Count a layered prefill's step: its chunk through ``share`` of the layers, and no other."""
+        """Count a layered prefill's step: its chunk through ``share`` of the layers; the short prompts
+        committed before it ride beside it (``chunks_beside``)."""
+        self.chunks_beside = self.chunks
         self.chunks = [(num_new, num_computed)]
         self.chunk_share = share
         self.prefill_tokens = num_new

@@ -32,7 +32,7 @@ from evenflow.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 
 from evenflow.core.kv.block_pool import KVBlock
 from evenflow.core.kv.manager import ComputedBlocks
-from evenflow.core.sched.layered_prefill import LayeredPrefill, group_tokens
+from evenflow.core.sched.layered_prefill import LayeredPrefill
 from evenflow.core.sched.layered_steps import LayeredSteps
 from evenflow.core.sched.prefill_gate import PrefillGate
 from evenflow.core.sched.step_plan import StepPlan
@@ -69,14 +69,11 @@ class Scheduler(LayeredSteps):
         gate = PrefillGate.for_step(config, self._long_threshold, self.running, len(self.waiting),
                                     None if controller is None else controller.prefill_allowance)
         if self._layered is not None and not gate.is_open:  # the prompt climbing the layers has the room ...
-            # ... but for short prompts, every other step at most, while its groups keep their room in
-            # the token budget beside the streams they start (layered_prefill.py)
-            seats = config.max_num_batched_tokens - self._layered.num_tokens - (len(self.running) - 1)
-            if (self._yielded or seats <= 0
-                    or self.waiting and not self._may_pass(self.waiting.peek(), self._layered.request)):
+            # ... but for short prompts, every other step at most (layered_prefill.py)
+            if self._yielded or self.waiting and not self._may_pass(self.waiting.peek(), self._layered.request):
                 gate.close()
             else:
-                gate.whole_prompts_only(seats)
+                gate.whole_prompts_only(config.max_num_seqs - len(self.running))
         elif not gate.is_open:
             # Likewise a prompt in token chunks: a short prompt waiting behind it goes whole in one step
             # (its chunk, not whole, is refused), every other step at most.
@@ -107,7 +104,7 @@ class Scheduler(LayeredSteps):
             num_new = 0 if request.held else self._num_new_tokens_running(request, token_budget)
             if gated and num_new > 0:
                 if (self._layer_instead(step, request, request.num_computed_tokens, token_budget)
-                        and self._start_running_layered(step, request, token_budget)):
+                        and self._start_running_layered(step, request)):
                     index += 1
                     continue
                 num_new = gate.limit(request, request.num_computed_tokens, num_new)
@@ -176,7 +173,7 @@ class Scheduler(LayeredSteps):
             computed = self._computed_blocks(request)
             num_computed = computed.num_tokens
             if self._layer_instead(step, request, num_computed, token_budget):
-                num_layered = self._layered_chunk(request, num_computed, token_budget)
+                num_layered = self._layered_chunk(request, num_computed)
                 if (self.running and not self._pool_holds_prompt(request, computed)
                         or kv.allocate_slots(request, num_layered, computed, cache=False) is None):
                     break  # as below: admit nobody behind it
@@ -285,14 +282,11 @@ class Scheduler(LayeredSteps):
         """Phase 3: the SchedulerOutput, with the step's extras (the grammar masks of the requests
         that sample; the controller records what it allowed; the workers' LoRA load orders).
         Hook: a KV offload's load/store orders ride along here."""
-        max_tokens = self.config.max_num_batched_tokens
-        total = max_tokens - step.token_budget
+        total = sum(step.num_scheduled_tokens.values())  # rows: a layer group's whole chunk
         if total:
             self._num_steps += 1  # steps that run something; step_id counts every call
-            self._num_scheduled_tokens += total
-            for req_id, span in step.layer_spans.items():  # a layer group: its share of its tokens' work
-                n = step.num_scheduled_tokens[req_id]
-                self._num_scheduled_tokens += group_tokens(n, span, self.config.num_layers) - n
+            # the budget's tokens: a layer group's share of its chunk, the work it does
+            self._num_scheduled_tokens += self.config.max_num_batched_tokens - step.token_budget
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         output = SchedulerOutput(
             step_id=step.step_id,

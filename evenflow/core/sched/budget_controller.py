@@ -31,6 +31,8 @@ root, not a search.
   on decode-only steps; while none has run for ``DECODE_ONLY_STALE`` steps (prompts queued behind
   each other), a prefill step's measured time scaled by the model's share of its decodes stands in
   (not always: the two estimates differ by up to +-20%).
+* A prompt the allowance would cut may climb the layers instead; how many a step is the controller's
+  ``LayerGroupSizing`` (evenflow/core/sched/layer_group_sizing.py).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ PREFILL_MIN_SHARE = 0.2  # of a step's predicted time, for a prompt to prefill b
 MEASURED_COST_SHARE = 0.8
 MEASURED_WINDOW = 64  # prefill steps a context bucket remembers
 UNAIMED = ("share", "floor", "warm-up", "probe")  # allowances the aim did not size: their steps do not move it
+
 
 @dataclass
 class _Planned:
@@ -201,7 +204,8 @@ class BudgetController(LayerGroupSizing):
         if output.total_num_scheduled_tokens == 0:
             return
         survey = gate.survey
-        drafts = max(output.total_num_scheduled_tokens - survey.decodes - gate.prefill_tokens, 0)
+        beside = sum(num_new for num_new, _ in gate.chunks_beside)
+        drafts = max(output.total_num_scheduled_tokens - survey.decodes - gate.prefill_tokens - beside, 0)
         shape = shape_of_step(survey.decodes, survey.decode_context, gate.chunks, drafts, gate.chunk_share)
         # A layered prefill's group counts as its share of the chunk's tokens (trust, the measured cost).
         prefill_tokens = round(gate.prefill_tokens * gate.chunk_share)

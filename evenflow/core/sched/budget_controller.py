@@ -75,7 +75,8 @@ class _Planned:
     decodes_alone_s: float = 0.0  # the model's prediction of the step without its prompt chunks
     filled: bool = False  # its prompt work was sized to the aim (not the share or the floor) and fills it (aim.py)
     prefill_context: int = 0  # computed tokens before its first prompt chunk
-    layers: int = 0  # a layered prefill's group: its layers, its chunk's tokens and its price's key
+    # a layered prefill's group: its layers, its chunk's tokens (0: it teaches no price), its price's key
+    layers: int = 0
     layer_tokens: int = 0
     layer_key: tuple[int, int] = (0, 0)
     trace: PlannedStep | None = None
@@ -230,7 +231,10 @@ class BudgetController(LayerGroupSizing):
                   and predicted_s >= FILLED_SHARE * self.target_s)
         planned = _Planned(shape, predicted_s, survey.decodes > 0, prefill_share, alone_s, filled, context)
         if layered is not None and gate.chunk_share < 1:
-            planned.layers, planned.layer_key, planned.layer_tokens = layered[1], layered[0], gate.prefill_tokens
+            planned.layers, planned.layer_key = layered[1], layered[0]
+            # 0 beside short prompts: their share of the step is the fit's guess (up to 1.5x their time,
+            # served), so the group's share teaches its price nothing
+            planned.layer_tokens = 0 if gate.chunks_beside else gate.prefill_tokens
         if self._pending_trace is not None:
             planned.trace, self._pending_trace = self._pending_trace, None
             planned.trace.step_id, planned.trace.prefill_tokens = step_id, prefill_tokens
@@ -254,7 +258,7 @@ class BudgetController(LayerGroupSizing):
             return
         if planned.has_decodes and (seconds <= self.target_s or seconds <= TRUSTED_ERROR * planned.predicted_s):
             self.largest_prefill_seen = max(self.largest_prefill_seen, planned.prefill_share)
-        if planned.layers:
+        if planned.layer_tokens:
             self.layer_price.observe(planned.layer_key, seconds - max(planned.decodes_alone_s, 0.0), planned.layers,
                                      planned.layer_tokens)
         if planned.has_decodes and planned.predicted_s > 0 and self.model.num_observations >= MIN_OBSERVATIONS:

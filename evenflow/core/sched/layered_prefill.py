@@ -12,11 +12,11 @@ One prompt at a time is ``LayeredPrefill``: its request, its chunk (all its know
 the token budget) and the next layer. Its ``num_computed_tokens`` stays where it was until the step of
 its last group, which samples; its blocks are offered to prefix hits only then (until then some
 layers' K/V are unwritten). While it climbs, the step's prompt room is its, but for a prompt short
-enough to prefill whole within a step's allowance: that one takes a step between two groups (never
-two steps in a row), so a short request's first token waits for one step, not for the whole climb
-(beside the climbs of 2048-token prompts, served on the real GGUF, the streams' new prompts had a
-p99 TTFT of ~1 s, 1.6-2.5x the fixed budget's). Each such prompt then decodes beside the groups, a
-token a step. A group is charged its share of the chunk against the token budget (``group_tokens``:
+enough to prefill whole within a step's allowance: that one goes in the next step, and the climb's
+group beside it takes the room it leaves, or waits that step (never two in a row), so a short
+request's first token waits for one step, not for the whole climb (beside the climbs of 2048-token
+prompts, served on the real GGUF, the streams' new prompts had a p99 TTFT of ~1 s, 1.6-2.5x the fixed
+budget's). Each such prompt then decodes beside the groups, a token a step. A group is charged its share of the chunk against the token budget (``group_tokens``:
 its tokens through a slice of the layers do that share of their work), so the chunk is the prompt's
 whole rest and the streams it starts still fit: in its layers a step has more rows than the budget.
 The workers keep its residual stream between its steps (evenflow/worker/layered_prefill.py).

@@ -38,6 +38,7 @@ def worker_template(cfg: EngineConfig, model_path: str, max_model_len: int) -> W
         model=model_path, world_size=cfg.tensor_parallel_size, dtype=cfg.dtype, device=cfg.device,
         seed=cfg.seed, block_size=cfg.block_size, max_model_len=max_model_len,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+        max_step_rows=2 * cfg.max_num_batched_tokens if layered_prefill_layers(cfg) else 0,
         attention_backend=cfg.attention_backend, kv_cache_memory=cfg.kv_cache_memory,
         num_kv_blocks=cfg.num_kv_blocks, load_format=cfg.load_format, num_threads=cfg.worker_threads,
         speculative_config=cfg.speculative_config, quantization=cfg.quantization, lora_config=cfg.lora_config(),

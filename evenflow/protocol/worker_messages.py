@@ -115,6 +115,9 @@ class WorkerConfig(Struct, forbid_unknown_fields=True):
     block_size: int = 16
     max_model_len: int = 2048
     max_num_batched_tokens: int = 2048
+    # The most rows a step may carry (0: max_num_batched_tokens). A layer group is charged its share of its
+    # prompt's tokens, so a step with one carries up to twice the budget in the group's layers.
+    max_step_rows: int = 0
     max_num_seqs: int = 256
     attention_backend: str = "auto"
     kv_cache_memory: int | None = None  # bytes; None = a share of available memory

@@ -145,10 +145,10 @@ class ModelRunner:
         return size.num_blocks
 
     def profile_forward(self) -> None:
-        """The largest step (max_num_batched_tokens, max_num_seqs samples) on a scratch cache, then
-        the sampler's costliest path on its logits, so that the activation and sampling memory is
-        measured before the real cache is sized."""
-        tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        """The largest step (``max_step_rows`` or max_num_batched_tokens rows, max_num_seqs samples) on a
+        scratch cache, then the sampler's costliest path on its logits, so that the activation and sampling
+        memory is measured before the real cache is sized."""
+        tokens = min(self.config.max_step_rows or self.config.max_num_batched_tokens, self.config.max_model_len)
         step = synthetic_step([tokens], [tokens], self.block_size, self.device)
         num_samples = min(self.config.max_num_seqs, tokens)
         step.logits_indices = torch.arange(tokens - num_samples, tokens, device=self.device)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from evenflow.core.sched.auto_target import AUTO_TARGET_DECODE_MULTIPLE, AUTO_TARGET_FLOOR_S, AutoTarget
-from evenflow.core.sched.aim import AIM_START, AIM_WINDOW, GAPS_OVER_TARGET
+from evenflow.core.sched.aim import AIM_MIN, AIM_START, AIM_WINDOW, GAPS_OVER_TARGET
 from evenflow.core.sched.budget_controller import PREFILL_MIN_SHARE
 from evenflow.core.sched.budget_trace import TRACE_ENV
 from evenflow.core.sched.config import SchedulerConfig
@@ -151,6 +151,25 @@ def test_the_aim_comes_back_within_a_window_after_a_burst_of_slow_steps() -> Non
         if i >= 530 + 2 * AIM_WINDOW and cut_by_the_allowance(scheduler, output):
             carried.append(seconds)
     assert len(carried) > 50 and np.median(carried) >= target_s * 0.85
+
+
+def test_the_aim_comes_back_from_its_floor() -> None:
+    """Three hundred steps at three times their time put the aim at its floor; the steps planned there
+    still count as filling it (``FILLED_SHARE`` is below the floor), so their errors come in and the aim
+    comes back."""
+    machine, rng = SyntheticMachine(), random.Random(3)
+    target_s = 10e-3
+    scheduler = scheduler_with_streams(target_itl_ms=target_s * 1e3)
+    controller = scheduler.budget_controller
+    assert controller is not None
+    floor = 1.0
+    for i in range(800 + 2 * AIM_WINDOW + 100):
+        keep_a_long_prompt_waiting(scheduler, i)
+        slow = 3.0 if 500 <= i < 800 else 1.0
+        step(scheduler, lambda o: machine.step_seconds(o) * slow * rng.lognormvariate(0, 0.05))
+        if i == 799:
+            floor = controller.aim.share
+    assert floor == AIM_MIN and controller.aim.share >= 0.85
 
 
 def test_steps_run_while_a_core_was_taken_teach_the_controller_nothing() -> None:

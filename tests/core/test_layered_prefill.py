@@ -6,7 +6,7 @@ turn it off do."""
 from __future__ import annotations
 
 import pytest
-from evenflow.core.component_configs import layered_prefill_layers
+from evenflow.core.component_configs import layered_prefill_layers, worker_template
 from evenflow.core.engine_config import EngineConfig
 from evenflow.core.request import Request
 from evenflow.core.sched.config import ConfigError, SchedulerConfig
@@ -135,6 +135,9 @@ def test_the_engine_turns_layers_on_only_under_the_adaptive_budget(tiny_llama) -
     assert layered_prefill_layers(EngineConfig(model=model)) == 0  # the fixed budget
     assert layered_prefill_layers(EngineConfig(model=model, target_itl_ms=50.0, layered_prefill=False)) == 0
     assert layered_prefill_layers(EngineConfig(model=model, target_itl_ms=50.0, tensor_parallel_size=2)) == 0
+    # A step with a layer group carries up to twice the budget in rows: a GPU worker sizes its activations so.
+    assert worker_template(EngineConfig(model=model, target_itl_ms=50.0), str(model), 512).max_step_rows == 2 * 2048
+    assert worker_template(EngineConfig(model=model), str(model), 512).max_step_rows == 0
 
 
 def test_an_abort_mid_climb_frees_the_blocks_and_the_next_prompt_goes() -> None:
@@ -458,6 +461,31 @@ def test_a_climb_trusted_with_nothing_else_doubles_its_layers_each_step() -> Non
                                          zip(sizes, sizes[1:], spans[1:])), spans
 
 
+def test_a_group_beside_short_prompts_runs_on_a_measured_price_in_the_room_they_leave() -> None:
+    """Beside short prompts a group never probes nor runs on the fit's price (it would be measured, or
+    trusted, on a step it shares), and takes the layers that fit the room the prompts leave."""
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
+    controller = scheduler.budget_controller
+    assert controller is not None
+    for _ in range(60):
+        run_step(scheduler, machine)
+    survey = survey_running(scheduler.running, scheduler._long_threshold)
+    key, short = price_key(2000, 0), [(128, 0)]
+    controller.largest_prefill_seen = 2000.0  # trust is not what bounds the group
+    assert controller.layer_group_beside(survey, short, 2000, 0, LAYERS, most=LAYERS) == 0  # never measured
+    controller.layer_price.observe(key, -0.001, 1, 2000)  # measured at nothing: the fit's price
+    assert controller.layer_group_beside(survey, short, 2000, 0, LAYERS, most=LAYERS) == 0
+    cost = controller.model.fitted_costs()
+    _, room_s, _ = controller._prompt_room(cost, survey)
+    controller.layer_price.forget(key)
+    controller.layer_price.observe(key, room_s / 10, 1, 2000)  # a layer measured at a tenth of the room
+    beside_s = controller.chunks_s(cost, short)
+    assert 0 < beside_s < room_s
+    layers = controller.layer_group_beside(survey, short, 2000, 0, LAYERS, most=LAYERS)
+    assert layers == int((room_s - beside_s) / (room_s / 10)) >= 1 and controller._bound_by == "beside"
+    assert controller.layer_group_beside(survey, [(1900, 0)], 2000, 0, LAYERS, most=LAYERS) == 0  # no room left
+
+
 def test_a_layer_price_measured_at_nothing_is_the_fits_share() -> None:
     """A group that ran at or under its decodes' prediction (a young fit overpricing the decodes) prices its
     layer at nothing. Read as a price, every layer fitted the room and the next group took all that were
@@ -472,19 +500,21 @@ def test_a_layer_price_measured_at_nothing_is_the_fits_share() -> None:
     survey = survey_running(scheduler.running, scheduler._long_threshold)
     key = price_key(2000, 0)
     controller.largest_prefill_seen = 2000.0  # trust is not what bounds the probe
-    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=0, most=LAYERS - 0) == 1  # never measured: a probe
+    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=0, most=LAYERS) == 1  # never measured: a probe
     assert controller._bound_by == "probe"
     controller.layer_price.observe(key, -0.001, 1, 2000)  # the probe ran under its decodes' prediction
     assert controller.layer_price.per_layer_s(key, 2000) == 0.0
     controller.largest_prefill_seen = 2000 / LAYERS  # trust: the probe's layer
-    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=1, most=LAYERS - 1) == 2  # twice the last group: trust
+    # twice the last group: trust
+    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=1, most=LAYERS - 1) == 2
     assert controller._bound_by == "trust"
     controller.largest_prefill_seen = 2000.0
     cost = controller.model.fitted_costs()
     _, room_s, _ = controller._prompt_room(cost, survey)
     fit_s, source = controller._layer_price_s(cost, key, 2000, 0, LAYERS)
     assert source == "fit" and fit_s > 0 and int(room_s / fit_s) >= 1
-    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=1, most=LAYERS - 1) == min(int(room_s / fit_s), LAYERS - 1)
+    layers = controller.layer_group(survey, 2000, 0, LAYERS, next_layer=1, most=LAYERS - 1)
+    assert layers == min(int(room_s / fit_s), LAYERS - 1)
     # Where the fit's price does not fit the room, the climb goes on by a probe: the fit's guess stops nothing.
     base_s = controller._prompt_room(cost, survey)[0]
     controller._prompt_room = lambda cost, survey: (base_s, fit_s / 2, "aim")  # type: ignore[method-assign]

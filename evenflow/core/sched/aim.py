@@ -32,12 +32,16 @@ STALL_BOUND = 2.0  # of the target: the longest step planned
 # a step predicted below it cannot reach the target at the errors such steps show (served on the real GGUF,
 # a short prompt's whole step was predicted at 0.2 of the aim, with errors to 1.4x at p99). Counted with
 # the steps that fill the aim, those errors held it at 0.80 of the target; the filled steps' own (groups of
-# a climb, p90 1.10x) set it at ~0.9.
-FILLED_SHARE = 0.5
+# a climb, p90 1.10x) set it at ~0.9. Below the aim's floor, or at the floor no step would count and
+# the aim could not come back up.
+FILLED_SHARE = 0.4
 # The share of decode-carrying steps that fill the aim, averaged over the last ~1,000 of them (all of
 # them, until there are that many): the p99 is of all the gaps, so the share is the long run's. (Over
 # ~50 it rose to ~1 within each long prompt and the aim took the 99th percentile of the errors there.)
 FILLED_SHARE_WINDOW = 1024
+
+
+assert FILLED_SHARE < AIM_MIN  # a step planned at the aim's floor still fills it
 
 
 class Aim:

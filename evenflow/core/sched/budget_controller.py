@@ -75,7 +75,10 @@ class _Planned:
     decodes_alone_s: float = 0.0  # the model's prediction of the step without its prompt chunks
     filled: bool = False  # its prompt work was sized to the aim (not the share or the floor) and fills it (aim.py)
     prefill_context: int = 0  # computed tokens before its first prompt chunk
-    # a layered prefill's group: its layers, its chunk's tokens (0: it teaches no price), its price's key
+    # Short prompts rode beside its layer group: their share of its time is the fit's guess (up to 1.5x their
+    # time, served), so the step teaches nothing of prompt tokens, layers or decodes.
+    beside: bool = False
+    # a layered prefill's group: its layers, its chunk's tokens and its price's key
     layers: int = 0
     layer_tokens: int = 0
     layer_key: tuple[int, int] = (0, 0)
@@ -229,12 +232,10 @@ class BudgetController(LayerGroupSizing):
         prefill_share = gate.prefill_tokens * gate.chunk_share
         filled = (survey.decodes > 0 and prefill_share > 0 and self._bound_by not in UNAIMED
                   and predicted_s >= FILLED_SHARE * self.target_s)
-        planned = _Planned(shape, predicted_s, survey.decodes > 0, prefill_share, alone_s, filled, context)
+        planned = _Planned(shape, predicted_s, survey.decodes > 0, prefill_share, alone_s, filled, context,
+                           bool(gate.chunks_beside))
         if layered is not None and gate.chunk_share < 1:
-            planned.layers, planned.layer_key = layered[1], layered[0]
-            # 0 beside short prompts: their share of the step is the fit's guess (up to 1.5x their time,
-            # served), so the group's share teaches its price nothing
-            planned.layer_tokens = 0 if gate.chunks_beside else gate.prefill_tokens
+            planned.layers, planned.layer_key, planned.layer_tokens = layered[1], layered[0], gate.prefill_tokens
         if self._pending_trace is not None:
             planned.trace, self._pending_trace = self._pending_trace, None
             planned.trace.step_id, planned.trace.prefill_tokens = step_id, prefill_tokens
@@ -258,7 +259,7 @@ class BudgetController(LayerGroupSizing):
             return
         if planned.has_decodes and (seconds <= self.target_s or seconds <= TRUSTED_ERROR * planned.predicted_s):
             self.largest_prefill_seen = max(self.largest_prefill_seen, planned.prefill_share)
-        if planned.layer_tokens:
+        if planned.layers and not planned.beside:
             self.layer_price.observe(planned.layer_key, seconds - max(planned.decodes_alone_s, 0.0), planned.layers,
                                      planned.layer_tokens)
         if planned.has_decodes and planned.predicted_s > 0 and self.model.num_observations >= MIN_OBSERVATIONS:
@@ -269,7 +270,7 @@ class BudgetController(LayerGroupSizing):
             self._trace.write(planned.trace)
         # A layer group is priced by its own (LayerPrice), beside the fit's decodes: fitted to groups too, the
         # fit would give the decodes a share of a group's slow-down.
-        if not planned.layers:
+        if not planned.layers and not planned.beside:
             self.model.observe(planned.shape, seconds)
         if self._log.due():
             source = (f"auto: {self.auto.decode_step_s * 1e3:.1f} ms decode step" if self.auto is not None
@@ -298,7 +299,7 @@ class BudgetController(LayerGroupSizing):
     def _follow(self, planned: _Planned, seconds: float) -> None:
         """Feed one decode-carrying step back: the aim (a step that filled it), and the derived target."""
         self.aim.follow_step(planned.filled)
-        if planned.has_prefill:
+        if planned.has_prefill and not planned.beside:
             self.prompt_cost.observe(seconds, planned.decodes_alone_s, planned.prefill_tokens,
                                      planned.prefill_context)
         if planned.filled and self.model.num_observations >= AIM_WARM_UP:
@@ -308,6 +309,7 @@ class BudgetController(LayerGroupSizing):
             self._since_decode_only = self._since_decode_only + 1 if planned.has_prefill else 0
             if planned.has_prefill:  # the decodes' share of the measured step, by the model
                 stale = self._since_decode_only >= DECODE_ONLY_STALE or self.auto.decode_step_s == 0.0
+                stale = stale and not planned.beside
                 decode_s *= min(max(planned.decodes_alone_s / planned.predicted_s, 0.0), 1.0) if stale else 0.0
             if decode_s > 0:
                 self.auto.observe_decode_step(decode_s)

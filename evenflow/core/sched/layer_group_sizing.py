@@ -94,15 +94,15 @@ class LayerGroupSizing:
         """Layers a prompt prefilled by layer groups (``num_tokens`` after ``num_computed``) runs through in
         the next step, from ``next_layer`` on (layered_prefill.py): the layers whose price fits the aim's
         room beside the decodes, at least one, at most ``most`` (those left whose share of the chunk the
-        step's token budget holds); bounded by trust as an allowance is, in
-        tokens x share. A shape no group measured yet runs one layer, which measures it (the fit's share
-        of a whole chunk overran by up to 1.7x); one whose groups measured their layer at nothing is priced
-        by the fit, the error the groups ran within (probed again instead, every group ran one layer: a
-        short prompt climbed 30 steps right after start-up), and probes one layer where that price does not
-        fit the room. A measured layer over the aim's room but within the target runs alone (stopped, the
-        climb's layers so far would be lost). 0: a layer of it, as measured, overruns the target beside the
-        decodes (or, before its first group ran, the room): what the fit foresaw was too little, and the
-        climb stops to go on in token chunks within the target (docs/tuning.md)."""
+        step's token budget holds); bounded by trust as an allowance is, in tokens x share. A shape no
+        group measured yet runs one layer, which measures it (the fit's share of a whole chunk overran by
+        up to 1.7x); one whose groups measured their layer at nothing is priced by the fit, the error the
+        groups ran within (probed again instead, every group ran one layer: a short prompt climbed 30 steps
+        right after start-up), and probes one layer where that price does not fit the room. A measured
+        layer over the aim's room but within the target runs alone (stopped, the climb's layers so far
+        would be lost). 0: a layer of it, as measured, overruns the target beside the decodes (or, before
+        its first group ran, the room): what the fit foresaw was too little, and the climb stops to go on
+        in token chunks within the target (docs/tuning.md)."""
         if survey.decodes == 0:
             self._bound_by = "room"
             return most
@@ -140,9 +140,11 @@ class LayerGroupSizing:
         base_s, room_s, bound_by = self._prompt_room(cost, survey)
         key = price_key(num_tokens, num_computed)
         per_layer_s, source = self._layer_price_s(cost, key, num_tokens, num_computed, num_layers)
+        if bound_by != "aim" or source != "measured":  # a measured price is > 0
+            return 0
         beside_s = self.chunks_s(cost, chunks)
         layers = int((room_s - beside_s) / per_layer_s)
-        if bound_by != "aim" or source != "measured" or layers < 1:
+        if layers < 1:
             return 0
         self._bound_by = "beside"
         return self._commit_group(survey, key, layers, per_layer_s, base_s + beside_s, num_tokens, num_layers,

@@ -16,9 +16,10 @@ enough to prefill whole within a step's allowance: that one goes in the next ste
 group beside it takes the room it leaves, or waits that step (never two in a row), so a short
 request's first token waits for one step, not for the whole climb (beside the climbs of 2048-token
 prompts, served on the real GGUF, the streams' new prompts had a p99 TTFT of ~1 s, 1.6-2.5x the fixed
-budget's). Each such prompt then decodes beside the groups, a token a step. A group is charged its share of the chunk against the token budget (``group_tokens``:
-its tokens through a slice of the layers do that share of their work), so the chunk is the prompt's
-whole rest and the streams it starts still fit: in its layers a step has more rows than the budget.
+budget's). Each such prompt then decodes beside the groups, a token a step. A group is charged its
+share of the chunk against the token budget (``group_tokens``: its tokens through a slice of the layers
+do that share of their work), so the chunk is the prompt's whole rest and the streams it starts still
+fit: in its layers a step has more rows than the budget, up to twice it (``WorkerConfig.max_step_rows``).
 The workers keep its residual stream between its steps (evenflow/worker/layered_prefill.py).
 """
 

@@ -19,10 +19,10 @@ class LayeredSteps(RequestLedger):
     """The prompt climbing the layers, as the scheduler's steps plan it."""
 
     _layered: LayeredPrefill | None = None  # the prompt climbing the layers, if any
-    _yielded = False  # the last step's prompt room went to short prompts ahead of a running prompt
+    _yielded = False  # the last step's prompt room went to short prompts, and the running prompt waited
     _stopped_climb: Request | None = None  # the last prompt that stopped climbing (it goes on in token chunks)
 
-    def _layer_instead(self, step: StepPlan, request: Request, num_computed: int, token_budget: int) -> bool:
+    def _layer_instead(self, step: StepPlan, request: Request, num_computed: int) -> bool:
         """Whether ``request``'s prompt goes by layer groups rather than in token chunks: the adaptive
         budget would cut it, streams are decoding beside it, no prompt chunk or other layered prefill has
         this step's room, and one of its layers fits the step (BudgetController.prefers_layers)."""
@@ -40,7 +40,7 @@ class LayeredSteps(RequestLedger):
         """The tokens a layered prefill of ``request`` takes: all it has left, up to the token budget.
         Its groups are charged their share of them (``_schedule_layer_group``), so the climb needs no
         room kept for the streams that start beside it, and leaves no tail of tokens for a chunk after it
-        (32 kept back left a 2048-token prompt's last 38 tokens a ~100 ms step of their own)."""
+        (a step of its own before the first token)."""
         return self._clamp(request.num_tokens - num_computed, num_computed, self.config.max_num_batched_tokens)
 
     def _start_running_layered(self, step: StepPlan, request: Request) -> bool:

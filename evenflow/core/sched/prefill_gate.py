@@ -129,8 +129,8 @@ class PrefillGate:
 
     def whole_prompts_only(self, seats: int) -> None:
         """Only prompts whose rest fits the allowance whole, ``seats`` of them at most: short ones that
-        arrived while a prompt climbs the layers or goes in token chunks go in one step, its next group
-        or chunk in the step after (the scheduler's ``_yielded``)."""
+        arrived while a prompt climbs the layers (its next group beside them, where their room holds one)
+        or goes in token chunks (its next chunk in the step after: the scheduler's ``_yielded``)."""
         self.whole_only = True
         self.seats = seats
 

@@ -19,8 +19,9 @@ after a later step was scheduled), is ``RequestLedger`` in evenflow/core/sched/l
 Every prefill chunk passes the step's ``PrefillGate``: open by default (the token budget alone
 limits it); with ``--target-itl-ms`` the ``BudgetController`` chooses how much prompt work rides
 along with the decodes (a prompt it would cut goes by layer groups instead: layered_prefill.py; a
-short prompt behind a climb or a chunked prompt goes whole in the next step, every other step at
-most), and ``--max-num-partial-prefills`` bounds the prompts mid-prefill.
+short prompt behind a climb goes whole in the next step, beside the climb's group where its room is
+left, and behind a chunked prompt likewise, every other step at most), and
+``--max-num-partial-prefills`` bounds the prompts mid-prefill.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class Scheduler(LayeredSteps):
         gate = PrefillGate.for_step(config, self._long_threshold, self.running, len(self.waiting),
                                     None if controller is None else controller.prefill_allowance)
         if self._layered is not None and not gate.is_open:  # the prompt climbing the layers has the room ...
-            # ... but for short prompts, every other step at most (layered_prefill.py)
+            # ... but for short prompts, unless the climb waited for the last ones (layered_prefill.py)
             if self._yielded or self.waiting and not self._may_pass(self.waiting.peek(), self._layered.request):
                 gate.close()
             else:
@@ -103,7 +104,7 @@ class Scheduler(LayeredSteps):
                 continue
             num_new = 0 if request.held else self._num_new_tokens_running(request, token_budget)
             if gated and num_new > 0:
-                if (self._layer_instead(step, request, request.num_computed_tokens, token_budget)
+                if (self._layer_instead(step, request, request.num_computed_tokens)
                         and self._start_running_layered(step, request)):
                     index += 1
                     continue
@@ -172,7 +173,7 @@ class Scheduler(LayeredSteps):
                 continue
             computed = self._computed_blocks(request)
             num_computed = computed.num_tokens
-            if self._layer_instead(step, request, num_computed, token_budget):
+            if self._layer_instead(step, request, num_computed):
                 num_layered = self._layered_chunk(request, num_computed)
                 if (self.running and not self._pool_holds_prompt(request, computed)
                         or kv.allocate_slots(request, num_layered, computed, cache=False) is None):

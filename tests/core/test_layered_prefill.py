@@ -11,7 +11,8 @@ from evenflow.core.engine_config import EngineConfig
 from evenflow.core.request import Request
 from evenflow.core.sched.config import ConfigError, SchedulerConfig
 from evenflow.core.sched.layered_prefill import LayerPrice, group_tokens, may_layer, price_key
-from evenflow.core.sched.prefill_gate import survey_running
+from evenflow.core.sched.budget_controller import BudgetController
+from evenflow.core.sched.prefill_gate import RunningSurvey, survey_running
 from evenflow.core.sched.scheduler import Scheduler
 from evenflow.core.sched.step_time_model import shape_of_step
 from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
@@ -461,15 +462,19 @@ def test_a_climb_trusted_with_nothing_else_doubles_its_layers_each_step() -> Non
                                          zip(sizes, sizes[1:], spans[1:])), spans
 
 
+def warm_controller() -> tuple[BudgetController, RunningSurvey]:
+    """A controller past its warm-up beside 8 streams, and the survey of its next step."""
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
+    for _ in range(60):
+        run_step(scheduler, machine)
+    assert scheduler.budget_controller is not None
+    return scheduler.budget_controller, survey_running(scheduler.running, scheduler._long_threshold)
+
+
 def test_a_group_beside_short_prompts_runs_on_a_measured_price_in_the_room_they_leave() -> None:
     """Beside short prompts a group never probes nor runs on the fit's price (it would be measured, or
     trusted, on a step it shares), and takes the layers that fit the room the prompts leave."""
-    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
-    controller = scheduler.budget_controller
-    assert controller is not None
-    for _ in range(60):
-        run_step(scheduler, machine)
-    survey = survey_running(scheduler.running, scheduler._long_threshold)
+    controller, survey = warm_controller()
     key, short = price_key(2000, 0), [(128, 0)]
     controller.largest_prefill_seen = 2000.0  # trust is not what bounds the group
     assert controller.layer_group_beside(survey, short, 2000, 0, LAYERS, most=LAYERS) == 0  # never measured
@@ -492,12 +497,7 @@ def test_a_layer_price_measured_at_nothing_is_the_fits_share() -> None:
     left (a climb under a 1 us target then never stopped); read as unmeasured, every group probed one
     layer (a 128-token prompt climbed one layer a step for 30 steps after start-up, served). The fit's
     share of the chunk prices it, and trust bounds the group."""
-    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
-    controller = scheduler.budget_controller
-    assert controller is not None
-    for _ in range(60):
-        run_step(scheduler, machine)
-    survey = survey_running(scheduler.running, scheduler._long_threshold)
+    controller, survey = warm_controller()
     key = price_key(2000, 0)
     controller.largest_prefill_seen = 2000.0  # trust is not what bounds the probe
     assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=0, most=LAYERS) == 1  # never measured: a probe
@@ -519,5 +519,5 @@ def test_a_layer_price_measured_at_nothing_is_the_fits_share() -> None:
     base_s = controller._prompt_room(cost, survey)[0]
     controller._prompt_room = lambda cost, survey: (base_s, fit_s / 2, "aim")  # type: ignore[method-assign]
     assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=5, most=LAYERS - 5) == 1
-    assert controller._bound_by == "probe" and scheduler.get_stats().scheduler.num_layered_prefills_stopped == 0
+    assert controller._bound_by == "probe" and controller.stats.layered_prefills_stopped == 0
     assert controller.layer_price.per_layer_s(key, 2000) == 0.0  # not forgotten

@@ -10,7 +10,7 @@ the group beside them runs only on a measured price: it never probes, and never 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 from evenflow.core.sched.budget_stats import BudgetStats
 from evenflow.core.sched.budget_trace import BudgetTrace, PlannedStep
@@ -39,16 +39,10 @@ class LayerGroupSizing:
     _pending_trace: PlannedStep | None
     _pending_layers: tuple[tuple[int, int], int, float] | None
     _bound_by: str
-
-    @property
-    def aim_s(self) -> float:
-        raise NotImplementedError
-
-    def _prompt_room(self, cost: StepCosts, survey: RunningSurvey) -> tuple[float, float, str]:
-        raise NotImplementedError
-
-    def _prompt_token_floor_s(self, context: int) -> float:
-        raise NotImplementedError
+    # BudgetController's rules, which the groups share with its token allowances
+    aim_s: float
+    _prompt_room: Callable[[StepCosts, RunningSurvey], tuple[float, float, str]]
+    _prompt_token_floor_s: Callable[[int], float]
 
     def prefers_layers(self, survey: RunningSurvey, num_tokens: int, num_computed: int, num_layers: int) -> bool:
         """Whether a prompt chunk (``num_tokens`` after ``num_computed``) that the step's allowance cuts
@@ -68,12 +62,14 @@ class LayerGroupSizing:
     def chunks_s(self, cost: StepCosts, chunks: list[tuple[int, int]]) -> float:
         """What prompt chunks (tokens, computed before them) add to a step beside its decodes, by the fit,
         and never less than the prompt tokens' measured floor."""
-        seconds = 0.0
-        for num_tokens, num_computed in chunks:
-            fit_s = (cost.per_request + cost.per_token * num_tokens + cost.per_read * (num_computed + num_tokens)
-                     + cost.per_pair * chunk_pairs(num_tokens, num_computed))
-            seconds += max(fit_s, self._prompt_token_floor_s(num_computed) * num_tokens)
-        return seconds
+        return sum(cost.per_request + self._chunk_s(cost, num_tokens, num_computed)
+                   for num_tokens, num_computed in chunks)
+
+    def _chunk_s(self, cost: StepCosts, num_tokens: int, num_computed: int) -> float:
+        """A chunk's tokens, reads and pairs by the fit, and never less than the prompt tokens' measured floor."""
+        fit_s = (cost.per_token * num_tokens + cost.per_read * (num_computed + num_tokens)
+                 + cost.per_pair * chunk_pairs(num_tokens, num_computed))
+        return max(fit_s, self._prompt_token_floor_s(num_computed) * num_tokens)
 
     def _layer_price_s(self, cost: StepCosts, key: tuple[int, int], num_tokens: int, num_computed: int,
                        num_layers: int) -> tuple[float, LayerPriceSource]:
@@ -84,9 +80,7 @@ class LayerGroupSizing:
         measured_s = self.layer_price.per_layer_s(key, num_tokens)
         if measured_s is not None and measured_s > 0:
             return measured_s, "measured"
-        whole_s = (cost.per_token * num_tokens + cost.per_read * (num_computed + num_tokens)
-                   + cost.per_pair * chunk_pairs(num_tokens, num_computed))
-        fit_s = max(whole_s, self._prompt_token_floor_s(num_computed) * num_tokens) / num_layers
+        fit_s = self._chunk_s(cost, num_tokens, num_computed) / num_layers
         return fit_s, "fit" if measured_s is not None and fit_s > 0 else "unknown"
 
     def layer_group(self, survey: RunningSurvey, num_tokens: int, num_computed: int, num_layers: int,

@@ -100,7 +100,7 @@ class ModelRunner:
             log.info("layer elementwise ops: %s", compile_layer_ops(self.model, COMPILE_MIN_ROWS, counts))
         cfg = self.model_config
         self.attn = backend_cls(self.model.num_heads, self.model.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,
-                                self.kv_dtype)
+                                self.kv_dtype, self.device)
         self.batch = PersistentBatch(config.max_num_seqs, config.max_model_len, self.block_size, self.device,
                                      cfg.num_layers)
         self.layered_hidden = LayeredHiddenStore()  # prompts between their layer-group steps

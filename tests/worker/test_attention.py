@@ -26,7 +26,7 @@ LONG_CHUNKS = ((300, 300), (64, 600), (5, 541), (16, 16))
 
 def build_case(block_size: int, device: str, seed: int = 0, num_decodes: int = 20,
                chunks: tuple[tuple[int, int], ...] = SHORT_CHUNKS, max_decode_len: int = 90,
-               dtype: torch.dtype = torch.float32, ranges: bool = False):
+               dtype: torch.dtype = torch.float32, ranges: bool = False, dims: tuple[int, int, int] = (6, 2, 16)):
     """(inputs, q, k, v, caches, reference output). ``chunks``: (new tokens, context length).
     ``ranges``: each request's blocks one range of ids, in turn ascending, descending and shuffled
     (what the in-place path reads), every fourth request's drawn at random from the whole cache as
@@ -36,7 +36,7 @@ def build_case(block_size: int, device: str, seed: int = 0, num_decodes: int = 2
     float32 from the rounded values, so a backend is judged only on its own arithmetic."""
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    hkv, heads, d = 2, 6, 16
+    heads, hkv, d = dims
     decode_lens = np.sort(rng.integers(1, max_decode_len, num_decodes))
     q_lens = [1] * num_decodes + [n for n, _ in chunks]
     ctx_lens = list(decode_lens) + [c for _, c in chunks]
@@ -97,11 +97,12 @@ def build_case(block_size: int, device: str, seed: int = 0, num_decodes: int = 2
 
 
 def check_backend(backend_cls: type[AttentionBackend], block_size: int, device: str, atol: float = 1e-4,
-                  dtype: torch.dtype = torch.float32, long: bool = False, ranges: bool = False) -> object:
+                  dtype: torch.dtype = torch.float32, long: bool = False, ranges: bool = False,
+                  dims: tuple[int, int, int] = (6, 2, 16)) -> object:
     """Check the backend on one case; return its plan."""
     case = dict(chunks=LONG_CHUNKS, max_decode_len=700) if long else {}
     inputs, q, k, v, caches, ref, (heads, hkv, d) = build_case(block_size, device, dtype=dtype, ranges=ranges,
-                                                               **case)
+                                                               dims=dims, **case)
     backend = backend_cls(heads, hkv, d, d**-0.5, dtype)
     caches = (caches[0].to(dtype), caches[1].to(dtype))
     k, v = k.to(dtype), v.to(dtype)
@@ -126,6 +127,26 @@ def test_reference_check_is_fair_to_half_precision() -> None:
     """bf16 on CPU through the torch backend: against a reference from the same rounded inputs,
     only the backend's own rounding remains (the old check compared with float32 originals)."""
     check_backend(TorchPagedAttention, 16, "cpu", atol=3e-2, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dims", [(9, 3, 64), (8, 2, 128), (4, 4, 64)], ids=["gqa3-d64", "gqa4-d128", "mha-d64"])
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
+@pytest.mark.parametrize("ranges", [False, True], ids=["gathered", "ranges"])
+def test_cpu_decode_kernel_matches_reference(dims: tuple[int, int, int], long: bool, ranges: bool) -> None:
+    """A bfloat16 cache on CPU: the decodes go to the C++ kernel (cpu_decode.py), which reads each
+    request's blocks in place, beside fresh and continuing chunks in the same step; judged against the
+    float32 reference of the same rounded inputs, as PyTorch's attention is."""
+    backend = TorchPagedAttention(*dims[:2], dims[2], dims[2] ** -0.5, torch.bfloat16)
+    if not backend.decode_kernel.available:
+        pytest.skip("the C++ decode kernel did not build here (no compiler)")
+    plan = check_backend(TorchPagedAttention, 16, "cpu", atol=3e-2, dtype=torch.bfloat16, long=long, ranges=ranges,
+                         dims=dims)
+    assert plan.kernel_decodes is not None and not plan.decode_groups
+
+
+def test_cpu_decode_kernel_stays_off_the_float32_reference_path() -> None:
+    plan = check_backend(TorchPagedAttention, 16, "cpu", dims=(9, 3, 64))
+    assert plan.kernel_decodes is None and plan.decode_groups
 
 
 def test_torch_backend_uses_the_fused_cpu_kernel_for_every_shape() -> None:

@@ -44,7 +44,8 @@ class AttentionBackend(ABC):
     name: str = ""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 kv_dtype: torch.dtype = torch.float32) -> None:
+                 kv_dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
+        self.device = device if device is not None else torch.device("cpu")  # where the KV cache lives
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

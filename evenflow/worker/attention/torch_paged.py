@@ -4,6 +4,9 @@ Per step, ``plan`` precomputes everything index-shaped once (block gathers, mask
 does: one ``index_copy_`` pair to store K/V, one batched SDPA for all decode-only requests, and one
 SDPA per prefill chunk.
 
+* Decodes on a bfloat16 cache on CPU (int4 projections' cache, ``--dtype bfloat16``): one call of a C++
+  kernel for all of them, reading each request's blocks in place (cpu_decode.py); 2.5-3x PyTorch's
+  attention with the gather below, per layer. Elsewhere, and where the kernel does not build:
 * Decodes: each group's contexts are gathered block-wise into [B, L, Hkv, D] (L = the group's
   longest context rounded up to blocks) and attended in one call, with a padding mask. The runner
   sorts decodes by length, and they are cut into small contiguous groups
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from evenflow.worker.attention.base import AttentionBackend, AttentionInputs, KVCache, write_kv
+from evenflow.worker.attention.cpu_decode import PagedDecodeKernel
 
 
 @dataclass
@@ -63,10 +67,20 @@ class _DecodeGroup:
 
 
 @dataclass
+class _KernelDecodes:
+    """The step's decodes [0, num) for the C++ kernel, which reads their blocks in place."""
+
+    num: int
+    block_table: torch.Tensor  # [num, >= blocks] int32
+    seq_lens: torch.Tensor  # [num] int32
+
+
+@dataclass
 class TorchAttentionPlan:
     slot_mapping: torch.Tensor
     decode_groups: list[_DecodeGroup]
     chunks: list[_ChunkPlan]
+    kernel_decodes: _KernelDecodes | None = None
 
 
 # Decodes are attended in groups whose gathered K/V stay cache-resident (about L2-sized): one
@@ -104,6 +118,12 @@ def in_place_range(block_ids: np.ndarray, visible_len: int, block_size: int) -> 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 kv_dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, kv_dtype, device)
+        # A bfloat16 cache on CPU: decodes by the C++ kernel (cpu_decode.py), where it builds.
+        self.decode_kernel = PagedDecodeKernel(num_heads, num_kv_heads, head_dim, kv_dtype, self.device)
+
     def plan(self, inputs: AttentionInputs) -> TorchAttentionPlan:
         device = inputs.slot_mapping.device
         bs = inputs.block_size
@@ -111,7 +131,10 @@ class TorchPagedAttention(AttentionBackend):
         seq_lens = inputs.seq_lens_np
         nd = inputs.num_decodes
         groups: list[_DecodeGroup] = []
-        if nd:
+        kernel_decodes = None
+        if nd and self.decode_kernel.available and device.type == "cpu":
+            kernel_decodes = _KernelDecodes(nd, inputs.block_table[:nd], inputs.seq_lens[:nd])
+        elif nd:
             for start, end in split_decode_groups(seq_lens[:nd], bs, self.kv_bytes_per_token):
                 nb = int(-(-int(seq_lens[start:end].max()) // bs))
                 place = None
@@ -152,7 +175,7 @@ class TorchPagedAttention(AttentionBackend):
             q_pos = torch.arange(context_len - q_len, context_len, device=device)
             visible = torch.arange(context_len, device=device)[None, :] <= q_pos[:, None]
             chunks.append(_ChunkPlan(start, end, context_len, block_ids, self._additive(visible)))
-        return TorchAttentionPlan(inputs.slot_mapping, groups, chunks)
+        return TorchAttentionPlan(inputs.slot_mapping, groups, chunks, kernel_decodes)
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         """Bool mask -> additive float mask (0 / -inf), built once per step rather than converted
@@ -170,6 +193,9 @@ class TorchPagedAttention(AttentionBackend):
         k_cache, v_cache = kv_cache
         whole = len(plan.decode_groups) == 1 and not plan.chunks
         out = None if whole else torch.empty(num_tokens, self.num_heads * d, dtype=q.dtype, device=q.device)
+        if plan.kernel_decodes is not None:
+            kd = plan.kernel_decodes
+            self.decode_kernel(q[: kd.num], k_cache, v_cache, kd.block_table, kd.seq_lens, out, self.scale)
         for g in plan.decode_groups:
             b = g.end - g.start
             length = g.blocks_per_req * k_cache.shape[1]

@@ -1,0 +1,151 @@
+// Decode attention over the paged KV cache on CPU: one query token per request, bfloat16 K/V read in place
+// from their blocks (no gather), float32 math, one pass over K and one over V per (request, KV head).
+//
+// PyTorch's fused CPU attention is built for many query rows: for a decode's few (the query heads that
+// share a KV head) it packs K/V for its matrix kernels on every call, and the step has to gather each
+// request's blocks first. See evenflow/worker/attention/cpu_decode.py for where this is used and measured.
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using at::vec::Vectorized;
+using Vec = Vectorized<float>;
+using BVec = Vectorized<c10::BFloat16>;
+using bf16 = c10::BFloat16;
+
+constexpr int kMaxGroup = 16;  // query heads per KV head (checked by the caller)
+
+// A row of D bfloat16 values as D / Vec::size() float vectors.
+template <int D>
+inline void load_row(const bf16* src, Vec* dst) {
+  for (int i = 0; i < D / BVec::size(); ++i) {
+    auto [lo, hi] = at::vec::convert_to_float<bf16>(BVec::loadu(src + i * BVec::size()));
+    dst[2 * i] = lo;
+    dst[2 * i + 1] = hi;
+  }
+}
+
+template <int D>
+void one_head(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* blocks, long len, long group,
+              long kv_heads, long kv_head, long block_size, float scale, bf16* out, std::vector<float>& scores) {
+  constexpr int F = D / Vec::size();
+  Vec qv[kMaxGroup][F];
+  for (long g = 0; g < group; ++g) {
+    load_row<D>(q + g * D, qv[g]);
+    for (int f = 0; f < F; ++f) qv[g][f] = qv[g][f] * Vec(scale);
+  }
+  scores.resize(group * len);
+  float* s = scores.data();
+  const long token_stride = kv_heads * D;  // one token's K (or V) row of every KV head
+  Vec row[F];
+  // Pass 1: every key's score for each query head.
+  for (long t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+    const long n = std::min(block_size, len - t0);
+    const bf16* k = k_cache + (long(blocks[b]) * block_size * kv_heads + kv_head) * D;
+    for (long j = 0; j < n; ++j) {
+      __builtin_prefetch(k + (j + 4) * token_stride);
+      __builtin_prefetch(k + (j + 4) * token_stride + 32);
+      load_row<D>(k + j * token_stride, row);
+      for (long g = 0; g < group; ++g) {
+        Vec acc = qv[g][0] * row[0];
+        for (int f = 1; f < F; ++f) acc = at::vec::fmadd(qv[g][f], row[f], acc);
+        s[g * len + t0 + j] = acc.reduce_add();
+      }
+    }
+  }
+  // Softmax of each head's scores, in place: exp(s - max), and the sum.
+  float inv_sum[kMaxGroup];
+  for (long g = 0; g < group; ++g) {
+    float* sg = s + g * len;
+    const float m = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sg, len);
+    long t = 0;
+    Vec total(0.f);
+    for (; t + Vec::size() <= len; t += Vec::size()) {
+      Vec e = (Vec::loadu(sg + t) - Vec(m)).exp_u20();
+      e.store(sg + t);
+      total = total + e;
+    }
+    float sum = total.reduce_add();
+    if (t < len) {
+      const int rest = int(len - t);
+      Vec e = (Vec::loadu(sg + t, rest) - Vec(m)).exp_u20();
+      e.store(sg + t, rest);
+      for (int i = 0; i < rest; ++i) sum += sg[t + i];
+    }
+    inv_sum[g] = 1.f / sum;
+  }
+  // Pass 2: the values, weighted.
+  Vec acc[kMaxGroup][F];
+  for (long g = 0; g < group; ++g)
+    for (int f = 0; f < F; ++f) acc[g][f] = Vec(0.f);
+  for (long t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+    const long n = std::min(block_size, len - t0);
+    const bf16* v = v_cache + (long(blocks[b]) * block_size * kv_heads + kv_head) * D;
+    for (long j = 0; j < n; ++j) {
+      __builtin_prefetch(v + (j + 4) * token_stride);
+      __builtin_prefetch(v + (j + 4) * token_stride + 32);
+      load_row<D>(v + j * token_stride, row);
+      for (long g = 0; g < group; ++g) {
+        const Vec p(s[g * len + t0 + j]);
+        for (int f = 0; f < F; ++f) acc[g][f] = at::vec::fmadd(p, row[f], acc[g][f]);
+      }
+    }
+  }
+  for (long g = 0; g < group; ++g) {
+    for (int i = 0; i < D / BVec::size(); ++i) {
+      const Vec w(inv_sum[g]);
+      at::vec::convert_from_float<bf16>(acc[g][2 * i] * w, acc[g][2 * i + 1] * w).store(out + g * D + i * BVec::size());
+    }
+  }
+}
+
+template <int D>
+void run(const bf16* q, long q_row_stride, const bf16* k_cache, const bf16* v_cache, const int32_t* table,
+         long table_stride, const int32_t* lens, bf16* out, long out_row_stride, long num_reqs, long heads,
+         long kv_heads, long block_size, float scale, int threads) {
+  const long group = heads / kv_heads;
+  const long tasks = num_reqs * kv_heads;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(static)
+    for (long task = 0; task < tasks; ++task) {
+      const long r = task / kv_heads, h = task % kv_heads;
+      one_head<D>(q + r * q_row_stride + h * group * D, k_cache, v_cache, table + r * table_stride, lens[r], group,
+                  kv_heads, h, block_size, scale, out + r * out_row_stride + h * group * D, scores);
+    }
+  }
+}
+
+}  // namespace
+
+// Returns 0, or 1 when head_dim is not one this build serves (the caller checks first).
+extern "C" int paged_decode_bf16(const void* q, long q_row_stride, const void* k_cache, const void* v_cache,
+                                 const int32_t* table, long table_stride, const int32_t* lens, void* out,
+                                 long out_row_stride, long num_reqs, long heads, long kv_heads, long head_dim,
+                                 long block_size, float scale, int threads) {
+  auto* qb = static_cast<const bf16*>(q);
+  auto* kb = static_cast<const bf16*>(k_cache);
+  auto* vb = static_cast<const bf16*>(v_cache);
+  auto* ob = static_cast<bf16*>(out);
+  switch (head_dim) {
+    case 64:
+      run<64>(qb, q_row_stride, kb, vb, table, table_stride, lens, ob, out_row_stride, num_reqs, heads, kv_heads,
+              block_size, scale, threads);
+      return 0;
+    case 128:
+      run<128>(qb, q_row_stride, kb, vb, table, table_stride, lens, ob, out_row_stride, num_reqs, heads, kv_heads,
+               block_size, scale, threads);
+      return 0;
+    default:
+      return 1;
+  }
+}
+
+extern "C" int paged_decode_max_group() { return kMaxGroup; }

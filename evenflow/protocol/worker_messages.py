@@ -42,6 +42,8 @@ class SchedulerOutput(Struct, tag="sched", array_like=True):
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]
+    # The sum of num_scheduled_tokens: the rows the step's forward carries. With a layer group in the step
+    # (layer_spans) this can exceed the token budget, which charges the group only its share of its rows.
     total_num_scheduled_tokens: int
     # Draft slots per request (counted in num_scheduled_tokens): the worker fills up to this many
     # with its own drafts (the engine-core never sees draft tokens).

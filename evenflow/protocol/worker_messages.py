@@ -103,6 +103,9 @@ class ModelRunnerOutput(Struct, tag="mro", array_like=True):
     # Rank 0 ran this step on every core while another process held one (its threads waited for a
     # CPU, evenflow/worker/threads.py): its time is the neighbour's, not what the step's shape costs.
     contended: bool = False
+    # Rank 0's long steps run on fewer threads than its plan's for now (a core was taken: the thread
+    # rule's fallback), this one included if it was long: what a long step costs differs by about 2x.
+    threads_fallback: bool = False
 
 
 class WorkerConfig(Struct, forbid_unknown_fields=True):

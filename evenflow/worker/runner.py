@@ -261,6 +261,7 @@ class ModelRunner:
                            max(t3 - t1 - forward_s, 0.0))
         out.prompt_logprobs = prompt_logprobs
         out.contended = self.threads.contended
+        out.threads_fallback = self.threads.in_fallback
         return self._lora_report(out)
 
     def _layered_forward(self, so: SchedulerOutput, inputs: StepInputs) -> LayeredForward | None:

@@ -139,6 +139,12 @@ class ThreadSetter:
         self._step: tuple[int, float] | None = None  # (size bucket, flops) of a long step
         self.contended = False  # the last step ran on every core while a core was busy elsewhere
 
+    @property
+    def in_fallback(self) -> bool:
+        """Long steps run on fewer threads than the plan's for now (the last one did, or the next will)."""
+        plan = self.plan
+        return plan is not None and (self.fallback_steps > 0 or (self._step is not None and self.current != plan.big))
+
     def is_long(self, flops: float) -> bool:
         return self.weight_seconds + flops / CORE_FLOPS >= LONG_STEP_SECONDS
 

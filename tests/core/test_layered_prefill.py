@@ -521,3 +521,30 @@ def test_a_layer_price_measured_at_nothing_is_the_fits_share() -> None:
     assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=5, most=LAYERS - 5) == 1
     assert controller._bound_by == "probe" and controller.stats.layered_prefills_stopped == 0
     assert controller.layer_price.per_layer_s(key, 2000) == 0.0  # not forgotten
+
+
+def test_layer_prices_learnt_on_fewer_threads_stay_with_that_thread_plan() -> None:
+    """While a core is taken the worker runs long steps on fewer threads (ModelRunnerOutput.threads_fallback)
+    and a layer costs about twice as much; the climbs after the fallback, on every core again, are priced
+    by what layers cost there. (One price for both: a served run climbed one layer a step for 20 steps
+    after a fallback, at 88 against ~45 ms a layer.)"""
+    controller, survey = warm_controller()
+    key = price_key(2000, 0)
+    controller.largest_prefill_seen = 2000.0  # trust is not what bounds the groups
+    cost = controller.model.fitted_costs()
+    _, room_s, _ = controller._prompt_room(cost, survey)
+
+    def result(step_id: int, fallback: bool) -> None:  # a step's result with only the thread plan in it
+        controller.observe(SchedulerOutput(step_id, [], [], {}, 0), ModelRunnerOutput(step_id, [], [],
+                                                                                      threads_fallback=fallback))
+
+    controller.layer_price.observe(key, room_s / 10, 1, 2000)  # every core: a tenth of the room a layer
+    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=1, most=LAYERS - 1) == 10
+    result(10_001, True)
+    assert controller.layer_price.per_layer_s(key, 2000) is None  # never measured on fewer threads: a probe
+    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=1, most=LAYERS - 1) == 1
+    controller.layer_price.observe(key, room_s / 5, 1, 2000)  # fewer threads: twice the price
+    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=2, most=LAYERS - 2) == 5
+    result(10_002, False)  # every core again
+    assert controller.layer_price.per_layer_s(key, 2000) == pytest.approx(room_s / 10)
+    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=7, most=LAYERS - 7) == 10

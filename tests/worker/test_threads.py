@@ -73,10 +73,15 @@ def test_contention_falls_back_to_fewer_threads_and_recovers(monkeypatch: pytest
     assert contended.count(2) <= 7  # two stalls to confirm, then re-tries with a doubling gap
     assert contended[-50:] == [1] * 50
     assert "a core is busy elsewhere" in caplog.text  # operators see why steps slowed
+    # The scheduler is told (ModelRunnerOutput.threads_fallback), short steps between included: it keeps
+    # what long steps cost on fewer threads apart.
+    assert setter.in_fallback
+    setter.before_step(1e3, 8)  # a short step
+    assert setter.in_fallback
     # The core is free again: the next re-try succeeds and every core is used from then on.
     free = run_long_steps(setter, 600, {1: 0.06, 2: 0.04})
     assert free[-300:] == [2] * 300
-    assert setter.retry_gap == MIN_RETRY_GAP
+    assert setter.retry_gap == MIN_RETRY_GAP and not setter.in_fallback
 
 
 def test_one_slow_step_is_a_hiccup_not_contention(monkeypatch: pytest.MonkeyPatch,

@@ -112,10 +112,19 @@ class BudgetController(LayerGroupSizing):
         self._planned: dict[int, _Planned] = {}  # step_id -> what was predicted for it
         self._trace = BudgetTrace.from_env()
         self._pending_trace: PlannedStep | None = None  # prefill_allowance's decision, until record()
-        self.layer_price = LayerPrice()
+        # Layer prices apart for the worker's two thread plans: every core, and fewer while a core is taken
+        # (ModelRunnerOutput.threads_fallback). One price for both took a fallback's 2x price into the
+        # climbs after it (a served run climbed one layer a step for 20 steps at 88 against ~45 ms a layer).
+        self._layer_prices = (LayerPrice(), LayerPrice())
+        self._threads_fallback = False  # the plan of the last step measured, the next one's likely plan
         self._pending_layers: tuple[tuple[int, int], int, float] | None = None  # layer_group's, until record()
         self._bound_by = ""  # which rule set the last allowance
         self._log = BudgetLog()
+
+    @property
+    def layer_price(self) -> LayerPrice:
+        """What layers cost on the thread plan the worker runs long steps on now."""
+        return self._layer_prices[self._threads_fallback]
 
     @classmethod
     def for_config(cls, config: SchedulerConfig) -> BudgetController | None:
@@ -252,6 +261,7 @@ class BudgetController(LayerGroupSizing):
         the step's period: zero unless the loop fell behind), input building, forward and sampling."""
         planned = self._planned.pop(output.step_id, None)
         seconds = result.wait_s + result.prepare_s + result.forward_s + result.sample_s
+        self._threads_fallback = result.threads_fallback
         if planned is None or seconds <= 0:
             return
         if result.contended:

@@ -141,7 +141,9 @@ class ThreadSetter:
 
     @property
     def in_fallback(self) -> bool:
-        """Long steps run on fewer threads than the plan's for now (the last one did, or the next will)."""
+        """Long steps run on fewer threads than the plan's for now: the next will, or the last one did (after the
+        fallback's last step, until the retry on every core reports: a climb sized for that retry takes the
+        fewer threads' price, the safe side)."""
         plan = self.plan
         return plan is not None and (self.fallback_steps > 0 or (self._step is not None and self.current != plan.big))
 

@@ -523,28 +523,48 @@ def test_a_layer_price_measured_at_nothing_is_the_fits_share() -> None:
     assert controller.layer_price.per_layer_s(key, 2000) == 0.0  # not forgotten
 
 
+def run_step_on_threads(scheduler: Scheduler, machine: SyntheticMachine, fallback: bool) -> SchedulerOutput:
+    """``run_step`` on a worker that reports whether its long steps run on fewer threads (a core taken)."""
+    output = scheduler.schedule()
+    req_ids = list(output.num_scheduled_tokens)
+    sampled = [[7] if scheduler.requests[r].num_output_placeholders else [] for r in req_ids]
+    seconds = machine.step_seconds(output)
+    scheduler.update_from_output(output, ModelRunnerOutput(output.step_id, req_ids, sampled, forward_s=seconds,
+                                                           threads_fallback=fallback))
+    return output
+
+
 def test_layer_prices_learnt_on_fewer_threads_stay_with_that_thread_plan() -> None:
     """While a core is taken the worker runs long steps on fewer threads (ModelRunnerOutput.threads_fallback)
-    and a layer costs about twice as much; the climbs after the fallback, on every core again, are priced
-    by what layers cost there. (One price for both: a served run climbed one layer a step for 20 steps
-    after a fallback, at 88 against ~45 ms a layer.)"""
-    controller, survey = warm_controller()
+    and a layer costs about twice as much; a climb after the fallback, on every core again, is priced by
+    what layers cost there. (One price for both: a served run climbed one layer a step for 20 steps after
+    a fallback, at 88 against ~45 ms a layer.)"""
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS)
+    for _ in range(60):
+        run_step(scheduler, machine)
+
+    def climb(name: str, fallback: bool) -> list[int]:
+        machine.slowdown = 2.0 if fallback else 1.0
+        for _ in range(5):  # the streams' steps on the new plan first (a fallback lasts 16+ long steps)
+            run_step_on_threads(scheduler, machine, fallback)
+        add(scheduler, name, 2000)
+        sizes = []
+        while scheduler.requests[name].num_output_tokens == 0:
+            output = run_step_on_threads(scheduler, machine, fallback)
+            if name in output.layer_spans:
+                start, end = output.layer_spans[name]
+                sizes.append(end - start)
+            assert len(sizes) < 40, sizes
+        return sizes
+
+    controller = scheduler.budget_controller
+    assert controller is not None
     key = price_key(2000, 0)
-    controller.largest_prefill_seen = 2000.0  # trust is not what bounds the groups
-    cost = controller.model.fitted_costs()
-    _, room_s, _ = controller._prompt_room(cost, survey)
-
-    def result(step_id: int, fallback: bool) -> None:  # a step's result with only the thread plan in it
-        controller.observe(SchedulerOutput(step_id, [], [], {}, 0), ModelRunnerOutput(step_id, [], [],
-                                                                                      threads_fallback=fallback))
-
-    controller.layer_price.observe(key, room_s / 10, 1, 2000)  # every core: a tenth of the room a layer
-    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=1, most=LAYERS - 1) == 10
-    result(10_001, True)
-    assert controller.layer_price.per_layer_s(key, 2000) is None  # never measured on fewer threads: a probe
-    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=1, most=LAYERS - 1) == 1
-    controller.layer_price.observe(key, room_s / 5, 1, 2000)  # fewer threads: twice the price
-    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=2, most=LAYERS - 2) == 5
-    result(10_002, False)  # every core again
-    assert controller.layer_price.per_layer_s(key, 2000) == pytest.approx(room_s / 10)
-    assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=7, most=LAYERS - 7) == 10
+    every_core = climb("long-1", False)
+    price = controller.layer_price.per_layer_s(key, 2000)
+    slow = climb("long-2", True)
+    assert controller._layer_prices[True].per_layer_s(key, 2000) > 1.5 * price  # type: ignore[operator]
+    assert slow[0] == 1 and max(slow) < max(every_core)  # never measured on fewer threads: a probe
+    after = climb("long-3", False)
+    assert controller.layer_price.per_layer_s(key, 2000) == pytest.approx(price, rel=0.25)
+    assert after[0] >= max(every_core[1:]) - 1, (every_core, slow, after)  # no probe, no fallback's price

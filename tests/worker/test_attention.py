@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from evenflow.worker.attention.base import AttentionBackend, AttentionInputs
+from evenflow.worker.attention.cpu_decode import PagedDecodeKernel
 from evenflow.worker.attention.torch_paged import TorchPagedAttention, split_decode_groups
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,6 +143,37 @@ def test_cpu_decode_kernel_matches_reference(dims: tuple[int, int, int], long: b
     plan = check_backend(TorchPagedAttention, 16, "cpu", atol=3e-2, dtype=torch.bfloat16, long=long, ranges=ranges,
                          dims=dims)
     assert plan.kernel_decodes is not None and not plan.decode_groups
+
+
+def test_cpu_decode_kernel_reads_the_engines_layouts() -> None:
+    """As a model step hands them over: q a slice of the fused q/k/v rows (row stride past its heads), the
+    block table a view of a wider one, the output rows of a step with more rows after the decodes; against
+    PyTorch's attention on the same rounded inputs."""
+    heads, hkv, d, bs = 9, 3, 64, 16
+    kernel = PagedDecodeKernel(heads, hkv, d, torch.bfloat16, torch.device("cpu"))
+    if not kernel.available:
+        pytest.skip("the C++ decode kernel did not build here (no compiler)")
+    g = torch.Generator().manual_seed(3)
+    lens = torch.tensor([1, 17, 130, 300], dtype=torch.int32)
+    table = torch.randperm(200, generator=g)[:4 * 40].view(4, 40).to(torch.int32)
+    kc, vc = (torch.randn(200, bs, hkv, d, generator=g).bfloat16() for _ in range(2))
+    qkv = torch.randn(4, heads + 2 * hkv, d, generator=g).bfloat16()
+    out = torch.full((6, heads * d), 7.0, dtype=torch.bfloat16)  # two more rows: a chunk's, left alone
+    kernel(qkv[:, :heads], kc, vc, table[:, :20], lens, out, d**-0.5)
+    for r, n in enumerate(lens.tolist()):
+        ids = table[r, : -(-n // bs)].long()
+        k = kc.index_select(0, ids).view(-1, hkv, d)[:n].transpose(0, 1)
+        v = vc.index_select(0, ids).view(-1, hkv, d)[:n].transpose(0, 1)
+        q = qkv[r, :heads].view(hkv, heads // hkv, d)
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=d**-0.5)
+        torch.testing.assert_close(out[r].float(), ref.reshape(-1), atol=1e-2, rtol=1e-2)
+    assert (out[4:] == 7.0).all()
+
+
+def test_cpu_decode_kernel_is_not_taken_for_heads_it_does_not_serve() -> None:
+    """More than 16 query heads a KV head, a head_dim other than 64 or 128, a float32 cache: PyTorch's attention."""
+    for heads, hkv, d, dtype in ((34, 2, 64, torch.bfloat16), (6, 2, 96, torch.bfloat16), (9, 3, 64, torch.float32)):
+        assert not PagedDecodeKernel(heads, hkv, d, dtype, torch.device("cpu")).available
 
 
 def test_cpu_decode_kernel_stays_off_the_float32_reference_path() -> None:

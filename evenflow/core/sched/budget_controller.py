@@ -261,9 +261,9 @@ class BudgetController(LayerGroupSizing):
         the step's period: zero unless the loop fell behind), input building, forward and sampling."""
         planned = self._planned.pop(output.step_id, None)
         seconds = result.wait_s + result.prepare_s + result.forward_s + result.sample_s
-        self._threads_fallback = result.threads_fallback
-        if planned is None or seconds <= 0:
+        if planned is None or seconds <= 0:  # an idle step's output says nothing of the thread plan
             return
+        self._threads_fallback = result.threads_fallback
         if result.contended:
             self._count_contended(planned, seconds)
             return

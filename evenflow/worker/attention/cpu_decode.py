@@ -39,9 +39,8 @@ def _load() -> ctypes.CDLL | None:
         lib = CppCodeCache.load(_SOURCE.read_text())
         fn = lib.paged_decode_bf16
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-                       ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_float, ctypes.c_int]
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
         _library = lib
     except Exception as e:  # no C++ compiler, an inductor API that moved: PyTorch's attention serves
         _failed = f"{type(e).__name__}: {e}"
@@ -72,6 +71,7 @@ class PagedDecodeKernel:
         [R] int32 (its context, the new token's K/V already written), ``out`` [R, heads * D] (rows may be
         strided), all bfloat16 but the int32 tables."""
         assert self._fn is not None and out.stride(1) == 1
+        assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16
         if q.stride(2) != 1 or q.stride(1) != self.head_dim:
             q = q.contiguous()
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_table.stride(1) == 1
@@ -81,4 +81,5 @@ class PagedDecodeKernel:
                       self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1], scale,
                       torch.get_num_threads())
         if rc:
-            raise ValueError(f"paged decode kernel: head_dim {self.head_dim} not served")
+            raise ValueError(f"paged decode kernel: {self.num_heads} heads over {self.num_kv_heads} KV heads of "
+                             f"{self.head_dim} not served (code {rc})")

@@ -31,28 +31,43 @@ inline void load_row(const bf16* src, Vec* dst) {
   }
 }
 
+// Rows ``ahead`` on into the caches, every cache line of each (past the block too: a request's blocks are
+// mostly one range of ids, so its next rows usually follow in memory). A prefetch never faults; the
+// address is an integer so that no pointer points past the cache.
 template <int D>
-void one_head(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* blocks, long len, long group,
-              long kv_heads, long kv_head, long block_size, float scale, bf16* out, std::vector<float>& scores) {
+inline void prefetch_row(const bf16* row, int64_t ahead, int64_t token_stride) {
+  const uintptr_t p = reinterpret_cast<uintptr_t>(row) + uintptr_t(ahead * token_stride) * sizeof(bf16);
+  for (uintptr_t line = 0; line < D * sizeof(bf16); line += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(p + line));
+  }
+}
+
+template <int D>
+void one_head(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* blocks, int64_t len,
+              int64_t group, int64_t kv_heads, int64_t kv_head, int64_t block_size, float scale, bf16* out,
+              std::vector<float>& scores) {
+  if (len <= 0) {  // no keys: no attention (a decode's context holds its own token, so never from the engine)
+    for (int64_t i = 0; i < group * D; ++i) out[i] = bf16(0.f);
+    return;
+  }
   constexpr int F = D / Vec::size();
   Vec qv[kMaxGroup][F];
-  for (long g = 0; g < group; ++g) {
+  for (int64_t g = 0; g < group; ++g) {
     load_row<D>(q + g * D, qv[g]);
     for (int f = 0; f < F; ++f) qv[g][f] = qv[g][f] * Vec(scale);
   }
   scores.resize(group * len);
   float* s = scores.data();
-  const long token_stride = kv_heads * D;  // one token's K (or V) row of every KV head
+  const int64_t token_stride = kv_heads * D;  // one token's K (or V) row of every KV head
   Vec row[F];
   // Pass 1: every key's score for each query head.
-  for (long t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
-    const long n = std::min(block_size, len - t0);
-    const bf16* k = k_cache + (long(blocks[b]) * block_size * kv_heads + kv_head) * D;
-    for (long j = 0; j < n; ++j) {
-      __builtin_prefetch(k + (j + 4) * token_stride);
-      __builtin_prefetch(k + (j + 4) * token_stride + 32);
+  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+    const int64_t n = std::min(block_size, len - t0);
+    const bf16* k = k_cache + (int64_t(blocks[b]) * block_size * kv_heads + kv_head) * D;
+    for (int64_t j = 0; j < n; ++j) {
+      prefetch_row<D>(k + j * token_stride, 4, token_stride);
       load_row<D>(k + j * token_stride, row);
-      for (long g = 0; g < group; ++g) {
+      for (int64_t g = 0; g < group; ++g) {
         Vec acc = qv[g][0] * row[0];
         for (int f = 1; f < F; ++f) acc = at::vec::fmadd(qv[g][f], row[f], acc);
         s[g * len + t0 + j] = acc.reduce_add();
@@ -61,10 +76,10 @@ void one_head(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int
   }
   // Softmax of each head's scores, in place: exp(s - max), and the sum.
   float inv_sum[kMaxGroup];
-  for (long g = 0; g < group; ++g) {
+  for (int64_t g = 0; g < group; ++g) {
     float* sg = s + g * len;
     const float m = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sg, len);
-    long t = 0;
+    int64_t t = 0;
     Vec total(0.f);
     for (; t + Vec::size() <= len; t += Vec::size()) {
       Vec e = (Vec::loadu(sg + t) - Vec(m)).exp_u20();
@@ -82,22 +97,21 @@ void one_head(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int
   }
   // Pass 2: the values, weighted.
   Vec acc[kMaxGroup][F];
-  for (long g = 0; g < group; ++g)
+  for (int64_t g = 0; g < group; ++g)
     for (int f = 0; f < F; ++f) acc[g][f] = Vec(0.f);
-  for (long t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
-    const long n = std::min(block_size, len - t0);
-    const bf16* v = v_cache + (long(blocks[b]) * block_size * kv_heads + kv_head) * D;
-    for (long j = 0; j < n; ++j) {
-      __builtin_prefetch(v + (j + 4) * token_stride);
-      __builtin_prefetch(v + (j + 4) * token_stride + 32);
+  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+    const int64_t n = std::min(block_size, len - t0);
+    const bf16* v = v_cache + (int64_t(blocks[b]) * block_size * kv_heads + kv_head) * D;
+    for (int64_t j = 0; j < n; ++j) {
+      prefetch_row<D>(v + j * token_stride, 4, token_stride);
       load_row<D>(v + j * token_stride, row);
-      for (long g = 0; g < group; ++g) {
+      for (int64_t g = 0; g < group; ++g) {
         const Vec p(s[g * len + t0 + j]);
         for (int f = 0; f < F; ++f) acc[g][f] = at::vec::fmadd(p, row[f], acc[g][f]);
       }
     }
   }
-  for (long g = 0; g < group; ++g) {
+  for (int64_t g = 0; g < group; ++g) {
     for (int i = 0; i < D / BVec::size(); ++i) {
       const Vec w(inv_sum[g]);
       at::vec::convert_from_float<bf16>(acc[g][2 * i] * w, acc[g][2 * i + 1] * w).store(out + g * D + i * BVec::size());
@@ -106,17 +120,19 @@ void one_head(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int
 }
 
 template <int D>
-void run(const bf16* q, long q_row_stride, const bf16* k_cache, const bf16* v_cache, const int32_t* table,
-         long table_stride, const int32_t* lens, bf16* out, long out_row_stride, long num_reqs, long heads,
-         long kv_heads, long block_size, float scale, int threads) {
-  const long group = heads / kv_heads;
-  const long tasks = num_reqs * kv_heads;
+void run(const bf16* q, int64_t q_row_stride, const bf16* k_cache, const bf16* v_cache, const int32_t* table,
+         int64_t table_stride, const int32_t* lens, bf16* out, int64_t out_row_stride, int64_t num_reqs, int64_t heads,
+         int64_t kv_heads, int64_t block_size, float scale, int threads) {
+  const int64_t group = heads / kv_heads;
+  const int64_t tasks = num_reqs * kv_heads;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores;
+    // Contiguous runs of tasks: a request's KV heads mostly on one thread, which reads its blocks' memory in
+    // order (measured faster than tasks dealt round the threads, even with the contexts sorted by length).
 #pragma omp for schedule(static)
-    for (long task = 0; task < tasks; ++task) {
-      const long r = task / kv_heads, h = task % kv_heads;
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads;
       one_head<D>(q + r * q_row_stride + h * group * D, k_cache, v_cache, table + r * table_stride, lens[r], group,
                   kv_heads, h, block_size, scale, out + r * out_row_stride + h * group * D, scores);
     }
@@ -125,11 +141,13 @@ void run(const bf16* q, long q_row_stride, const bf16* k_cache, const bf16* v_ca
 
 }  // namespace
 
-// Returns 0, or 1 when head_dim is not one this build serves (the caller checks first).
-extern "C" int paged_decode_bf16(const void* q, long q_row_stride, const void* k_cache, const void* v_cache,
-                                 const int32_t* table, long table_stride, const int32_t* lens, void* out,
-                                 long out_row_stride, long num_reqs, long heads, long kv_heads, long head_dim,
-                                 long block_size, float scale, int threads) {
+// Returns 0; 1 when head_dim is not one this build serves, 2 when the query heads are not a whole number of
+// at most kMaxGroup a KV head (the caller checks first).
+extern "C" int paged_decode_bf16(const void* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
+                                 const int32_t* table, int64_t table_stride, const int32_t* lens, void* out,
+                                 int64_t out_row_stride, int64_t num_reqs, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                 int64_t block_size, float scale, int threads) {
+  if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > kMaxGroup) return 2;
   auto* qb = static_cast<const bf16*>(q);
   auto* kb = static_cast<const bf16*>(k_cache);
   auto* vb = static_cast<const bf16*>(v_cache);

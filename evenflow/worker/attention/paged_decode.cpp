@@ -42,6 +42,24 @@ inline void prefetch_row(const bf16* row, int64_t ahead, int64_t token_stride) {
   }
 }
 
+// Calls visit(t, row) for token t = 0..len-1 of one KV head in ``cache``, its row as float vectors, walking the
+// request's blocks in order.
+template <int D, typename Visit>
+inline void for_each_row(const bf16* cache, const int32_t* blocks, int64_t len, int64_t kv_heads, int64_t kv_head,
+                         int64_t block_size, Visit visit) {
+  const int64_t token_stride = kv_heads * D;  // one token's row of every KV head
+  Vec row[D / Vec::size()];
+  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+    const int64_t n = std::min(block_size, len - t0);
+    const bf16* first = cache + (int64_t(blocks[b]) * block_size * kv_heads + kv_head) * D;
+    for (int64_t j = 0; j < n; ++j) {
+      prefetch_row<D>(first + j * token_stride, 4, token_stride);
+      load_row<D>(first + j * token_stride, row);
+      visit(t0 + j, row);
+    }
+  }
+}
+
 template <int D>
 void one_head(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* blocks, int64_t len,
               int64_t group, int64_t kv_heads, int64_t kv_head, int64_t block_size, float scale, bf16* out,
@@ -58,22 +76,14 @@ void one_head(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int
   }
   scores.resize(group * len);
   float* s = scores.data();
-  const int64_t token_stride = kv_heads * D;  // one token's K (or V) row of every KV head
-  Vec row[F];
   // Pass 1: every key's score for each query head.
-  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
-    const int64_t n = std::min(block_size, len - t0);
-    const bf16* k = k_cache + (int64_t(blocks[b]) * block_size * kv_heads + kv_head) * D;
-    for (int64_t j = 0; j < n; ++j) {
-      prefetch_row<D>(k + j * token_stride, 4, token_stride);
-      load_row<D>(k + j * token_stride, row);
-      for (int64_t g = 0; g < group; ++g) {
-        Vec acc = qv[g][0] * row[0];
-        for (int f = 1; f < F; ++f) acc = at::vec::fmadd(qv[g][f], row[f], acc);
-        s[g * len + t0 + j] = acc.reduce_add();
-      }
+  for_each_row<D>(k_cache, blocks, len, kv_heads, kv_head, block_size, [&](int64_t t, const Vec* row) {
+    for (int64_t g = 0; g < group; ++g) {
+      Vec acc = qv[g][0] * row[0];
+      for (int f = 1; f < F; ++f) acc = at::vec::fmadd(qv[g][f], row[f], acc);
+      s[g * len + t] = acc.reduce_add();
     }
-  }
+  });
   // Softmax of each head's scores, in place: exp(s - max), and the sum.
   float inv_sum[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) {
@@ -99,18 +109,12 @@ void one_head(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int
   Vec acc[kMaxGroup][F];
   for (int64_t g = 0; g < group; ++g)
     for (int f = 0; f < F; ++f) acc[g][f] = Vec(0.f);
-  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
-    const int64_t n = std::min(block_size, len - t0);
-    const bf16* v = v_cache + (int64_t(blocks[b]) * block_size * kv_heads + kv_head) * D;
-    for (int64_t j = 0; j < n; ++j) {
-      prefetch_row<D>(v + j * token_stride, 4, token_stride);
-      load_row<D>(v + j * token_stride, row);
-      for (int64_t g = 0; g < group; ++g) {
-        const Vec p(s[g * len + t0 + j]);
-        for (int f = 0; f < F; ++f) acc[g][f] = at::vec::fmadd(p, row[f], acc[g][f]);
-      }
+  for_each_row<D>(v_cache, blocks, len, kv_heads, kv_head, block_size, [&](int64_t t, const Vec* row) {
+    for (int64_t g = 0; g < group; ++g) {
+      const Vec p(s[g * len + t]);
+      for (int f = 0; f < F; ++f) acc[g][f] = at::vec::fmadd(p, row[f], acc[g][f]);
     }
-  }
+  });
   for (int64_t g = 0; g < group; ++g) {
     for (int i = 0; i < D / BVec::size(); ++i) {
       const Vec w(inv_sum[g]);

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -36,12 +37,15 @@ def _load() -> ctypes.CDLL | None:
     try:
         from torch._inductor.codecache import CppCodeCache
 
+        start = time.perf_counter()
         lib = CppCodeCache.load(_SOURCE.read_text())
         fn = lib.paged_decode_bf16
         fn.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
         _library = lib
+        log.info("decode attention on the bfloat16 KV cache: the C++ kernel (built or loaded in %.1f s)",
+                 time.perf_counter() - start)
     except Exception as e:  # no C++ compiler, an inductor API that moved: PyTorch's attention serves
         _failed = f"{type(e).__name__}: {e}"
         log.warning("decode attention stays PyTorch's: the C++ kernel did not build (%s)", _failed)

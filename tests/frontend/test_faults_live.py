@@ -22,6 +22,10 @@ pytestmark = pytest.mark.slow
 
 FLAGS = ("--max-model-len", "256", "--num-kv-blocks", "64", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
          "--worker-threads", "1")
+# Room for three 600-token streams side by side, so the injected fault can come late (FAULT_STEP): each of
+# them must have started before it, and a stream that reaches a dead engine gets a 503 instead.
+LONG_FLAGS = ("--max-model-len", "1024", "--num-kv-blocks", "160", *FLAGS[4:])
+FAULT_STEP, STREAM_TOKENS = 300, 600
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -44,10 +48,11 @@ def _stream(url: str, max_tokens: int) -> tuple[int, list[str]]:
 
 def test_forward_fault_fails_every_stream_with_its_cause_then_the_frontend_recovers(
         demo_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Mid-stream for all three (200 tokens each, decoded side by side), and late enough that the last of them
-    # has arrived on a loaded machine: at 40 steps one stream reached a dead engine (503) in a clean CI run.
-    monkeypatch.setenv("EVENFLOW_TEST_FAIL_FORWARD_AFTER_STEPS", "120")
-    engine = start_engine(demo_model_dir, tmp_path, *FLAGS, name="engine")
+    # Mid-stream for all three (decoded side by side), and late enough that the last of them has arrived on a
+    # loaded machine: at 40 and at 120 steps of 200-token streams one stream reached a dead engine (503) in
+    # clean CI runs.
+    monkeypatch.setenv("EVENFLOW_TEST_FAIL_FORWARD_AFTER_STEPS", str(FAULT_STEP))
+    engine = start_engine(demo_model_dir, tmp_path, *LONG_FLAGS, name="engine")
     monkeypatch.delenv("EVENFLOW_TEST_FAIL_FORWARD_AFTER_STEPS")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -57,7 +62,7 @@ def test_forward_fault_fails_every_stream_with_its_cause_then_the_frontend_recov
     try:
         wait_for(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, 120, [frontend], [log])
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            results = list(pool.map(lambda _: _stream(url, 200), range(3)))
+            results = list(pool.map(lambda _: _stream(url, STREAM_TOKENS), range(3)))
         for status, events in results:
             assert status == 200 and events[-1] == "[DONE]"
             error = json.loads(events[-2])["error"]
@@ -68,7 +73,7 @@ def test_forward_fault_fails_every_stream_with_its_cause_then_the_frontend_recov
         gone = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
         assert gone.status_code == 503 and gone.headers["retry-after"] and "engine" in gone.json()["error"]["message"]
         # A new engine-core on the same address: the frontend reconnects by itself.
-        engines.append(start_engine(demo_model_dir, tmp_path, *FLAGS, name="engine"))
+        engines.append(start_engine(demo_model_dir, tmp_path, *LONG_FLAGS, name="engine"))
         wait_for(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, 60, [frontend], [log])
         status, events = _stream(url, 5)
         assert status == 200 and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"

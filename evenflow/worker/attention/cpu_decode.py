@@ -68,18 +68,22 @@ class PagedDecodeKernel:
     def available(self) -> bool:
         return self._fn is not None
 
+    @staticmethod
+    def check_tables(block_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """The step's tables as ``__call__`` reads them (once a step: every layer reads the same ones)."""
+        assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
+        assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
         """``out[r]`` = request r's attention: ``q`` [R, heads, D] (rows may be strided),
         caches [blocks, block_size, kv_heads, D], ``block_table`` [R, >= its blocks] int32 and ``seq_lens``
-        [R] int32 (its context, the new token's K/V already written), ``out`` [R, heads * D] (rows may be
-        strided), all bfloat16 but the int32 tables."""
-        assert self._fn is not None and out.stride(1) == 1
+        [R] int32 (its context, the new token's K/V already written; both as ``check_tables`` wants them),
+        ``out`` [R, heads * D] (rows may be strided), all bfloat16 but the int32 tables."""
+        assert self._fn is not None and out.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
         assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16
         if q.stride(2) != 1 or q.stride(1) != self.head_dim:
             q = q.contiguous()
-        assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_table.stride(1) == 1
-        assert block_table.dtype == torch.int32 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
         rc = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
                       block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), out.stride(0), q.shape[0],
                       self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1], scale,

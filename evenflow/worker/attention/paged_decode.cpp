@@ -133,7 +133,7 @@ void run(const bf16* q, int64_t q_row_stride, const bf16* k_cache, const bf16* v
   {
     std::vector<float> scores;
     // Contiguous runs of tasks: a request's KV heads mostly on one thread, which reads its blocks' memory in
-    // order (measured faster than tasks dealt round the threads, even with the contexts sorted by length).
+    // order (tasks dealt one at a time round the threads measured up to 1.3x slower, sorted contexts too).
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads;

@@ -134,6 +134,7 @@ class TorchPagedAttention(AttentionBackend):
         kernel_decodes = None
         if nd and self.decode_kernel.available and device.type == "cpu":
             kernel_decodes = _KernelDecodes(nd, inputs.block_table[:nd], inputs.seq_lens[:nd])
+            self.decode_kernel.check_tables(kernel_decodes.block_table, kernel_decodes.seq_lens)
         elif nd:
             for start, end in split_decode_groups(seq_lens[:nd], bs, self.kv_bytes_per_token):
                 nb = int(-(-int(seq_lens[start:end].max()) // bs))

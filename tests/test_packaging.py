@@ -50,3 +50,11 @@ def test_test_extra_holds_everything_the_tests_and_the_scripts_they_run_import()
 def test_license_is_an_spdx_string() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["license"] == "Apache-2.0"  # the table form is deprecated by setuptools (PEP 639)
+
+
+def test_every_cpp_kernel_source_ships_with_the_package() -> None:
+    """The C++ kernels are compiled from their source at first use: a wheel without it falls back silently."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for source in (ROOT / "evenflow").rglob("*.cpp"):
+        package = ".".join(source.parent.relative_to(ROOT).parts)
+        assert "*.cpp" in data.get(package, []), f"{source.relative_to(ROOT)}: no package-data for {package}"

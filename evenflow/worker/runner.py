@@ -33,6 +33,7 @@ from evenflow.worker.int4_weights import effective_quantization
 from evenflow.worker.loader import load_weights, resolve_dtype
 from evenflow.worker.lora.pool import build_lora_pool
 from evenflow.worker.models.compiled_ops import COMPILE_MIN_ROWS, compile_layer_ops
+from evenflow.worker.models.layer_glue import attach_layer_glue
 from evenflow.worker.models.registry import build_model
 from evenflow.worker.parallel import destroy_tensor_parallel, init_tensor_parallel
 from evenflow.worker.prompt_logprobs import PromptLogprobsTracker, logits_rows, split_prompt_logits
@@ -98,6 +99,8 @@ class ModelRunner:
         if self.device.type == "cpu" and not config.enforce_eager and config.max_num_batched_tokens >= COMPILE_MIN_ROWS:
             counts = self.threads.plan.counts if self.threads.plan is not None else ()
             log.info("layer elementwise ops: %s", compile_layer_ops(self.model, COMPILE_MIN_ROWS, counts))
+        if self.device.type == "cpu":
+            log.info("layer elementwise ops of the other steps: %s", attach_layer_glue(self.model))
         cfg = self.model_config
         self.attn = backend_cls(self.model.num_heads, self.model.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,
                                 self.kv_dtype, self.device)

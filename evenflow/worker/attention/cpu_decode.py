@@ -7,8 +7,7 @@ place from their blocks, with float32 math (the scores' softmax with PyTorch's o
 2-core Xeon with AMX, SmolLM2-135M's shapes (9 query heads over 3 KV heads, head_dim 64), per layer:
 ``scripts/probe_decode_attention.py`` prints the table (docs/results/quantization.md).
 
-It is compiled once per machine by inductor's C++ toolchain (the compiler torch.compile uses; cached
-under inductor's cache directory), and loaded with ctypes. Without a compiler, or for shapes it does
+It is compiled once per machine (evenflow/worker/cpp_kernels.py) and called through ctypes. Without a compiler, or for shapes it does
 not serve (head_dim other than 64 or 128, a float32 cache: the exact reference path), decodes keep
 PyTorch's attention.
 """
@@ -16,40 +15,23 @@ PyTorch's attention.
 from __future__ import annotations
 
 import ctypes
-import logging
-import time
 from pathlib import Path
 
 import torch
-
-log = logging.getLogger("evenflow.worker.attention.cpu_decode")
+from evenflow.worker.cpp_kernels import load_cpp
 
 HEAD_DIMS = (64, 128)
 _SOURCE = Path(__file__).with_name("paged_decode.cpp")
-_library: ctypes.CDLL | None = None
-_failed: str | None = None
 
 
 def _load() -> ctypes.CDLL | None:
-    global _library, _failed
-    if _library is not None or _failed is not None:
-        return _library
-    try:
-        from torch._inductor.codecache import CppCodeCache
-
-        start = time.perf_counter()
-        lib = CppCodeCache.load(_SOURCE.read_text())
+    lib = load_cpp(_SOURCE, "decode attention on the bfloat16 KV cache")
+    if lib is not None:
         fn = lib.paged_decode_bf16
         fn.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-        _library = lib
-        log.info("decode attention on the bfloat16 KV cache: the C++ kernel (built or loaded in %.1f s)",
-                 time.perf_counter() - start)
-    except Exception as e:  # no C++ compiler, an inductor API that moved: PyTorch's attention serves
-        _failed = f"{type(e).__name__}: {e}"
-        log.warning("decode attention stays PyTorch's: the C++ kernel did not build (%s)", _failed)
-    return _library
+    return lib
 
 
 class PagedDecodeKernel:

@@ -19,6 +19,7 @@ from evenflow.worker.config_reader import ModelConfig
 from evenflow.worker.layered_prefill import LayeredForward, layered_boundary
 from evenflow.worker.lora.pool import LoRAStep
 from evenflow.worker.models.compiled_ops import CompiledOps, swiglu
+from evenflow.worker.models.layer_glue import LayerGlue
 from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan, int4_fits, int4_plan, layout_matches
 from evenflow.worker.models.layers import RotaryTable, apply_rotary, rms_norm, rms_norm_heads, rms_norm_narrowing
 from evenflow.worker.models.lm_head import ScreenedHead
@@ -136,6 +137,7 @@ class LlamaModel(nn.Module):
         self.kv_dtype = dtype
         self.int4_plan: Int4Plan | None = None  # the start-up measurement's choice, where 4-bit parts were loaded
         self.compiled_ops: CompiledOps | None = None  # set by the runner where many-row steps compile
+        self.layer_glue: LayerGlue | None = None  # set by the runner where the narrowing path runs
 
     # ---------------------------------------------------------------- loading
 
@@ -184,7 +186,7 @@ class LlamaModel(nn.Module):
         return rms_norm(x, weight, self.cfg.rms_norm_eps, out_dtype)
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, scaled: torch.Tensor,
-                  out_dtype: torch.dtype, ops: CompiledOps | None) -> torch.Tensor:
+                  out_dtype: torch.dtype, ops: CompiledOps | LayerGlue | None) -> torch.Tensor:
         """``x += delta`` (the residual stream, this step's own tensor; all-reduced across ranks), then
         its RMSNorm into ``out_dtype``: one compiled graph where the step takes ``ops``."""
         if delta is None:
@@ -282,13 +284,18 @@ class LlamaModel(nn.Module):
         return self.tp.all_reduce(x)
 
     def _rows_view(self, x: torch.Tensor, cos_all: torch.Tensor, sin_all: torch.Tensor,
-                   lora: LoRAStep | None) -> tuple[int, torch.Tensor, torch.Tensor, CompiledOps | None]:
-        """The rows running the next layers (the step's first ``n``): their rotary tables, and the compiled
-        elementwise groups when many rows run on the narrowing path (models/compiled_ops.py)."""
+                   lora: LoRAStep | None) -> tuple[int, torch.Tensor, torch.Tensor, CompiledOps | LayerGlue | None]:
+        """The rows running the next layers (the step's first ``n``): their rotary tables, and the fused
+        elementwise groups where the narrowing path runs: compiled for many rows (models/compiled_ops.py),
+        C++ for the rest (models/layer_glue.py)."""
         n = x.shape[0]
         cos, sin = (cos_all, sin_all) if n == cos_all.shape[0] else (cos_all[:n], sin_all[:n])
-        ops = self.compiled_ops if self.compiled_ops is not None and self.compiled_ops.takes(n) and lora is None \
-            else None
+        ops: CompiledOps | LayerGlue | None = None
+        if lora is None:
+            if self.compiled_ops is not None and self.compiled_ops.takes(n):
+                ops = self.compiled_ops
+            elif self.layer_glue is not None and self.layer_glue.takes(n):
+                ops = self.layer_glue
         return n, cos, sin, ops
 
     def forward(

@@ -1,0 +1,36 @@
+"""Small C++ kernels for CPU steps, compiled once per machine by inductor's C++ toolchain.
+
+The toolchain is the one ``torch.compile`` uses (its compiler, ISA flags and ATen headers), and it caches
+the built library under inductor's cache directory, so a kernel costs seconds at its first start-up on a
+machine and a library load after. It is reached through ``torch._inductor.codecache.CppCodeCache``, a
+private API: where it fails (no compiler, an API a torch release moved) the caller keeps its PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger("evenflow.worker.cpp_kernels")
+
+_loaded: dict[Path, ctypes.CDLL | None] = {}
+
+
+def load_cpp(source: Path, purpose: str) -> ctypes.CDLL | None:
+    """The library built from ``source`` (once per process), or None if it does not build; ``purpose``
+    names what it serves in the log line that says which path runs."""
+    if source in _loaded:
+        return _loaded[source]
+    try:
+        from torch._inductor.codecache import CppCodeCache
+
+        start = time.perf_counter()
+        lib = CppCodeCache.load(source.read_text())
+        log.info("%s: the C++ kernel (built or loaded in %.1f s)", purpose, time.perf_counter() - start)
+    except Exception as e:  # no C++ compiler, an inductor API that moved: PyTorch's ops serve
+        lib = None
+        log.warning("%s stays PyTorch's: the C++ kernel did not build (%s: %s)", purpose, type(e).__name__, e)
+    _loaded[source] = lib
+    return lib

@@ -1,0 +1,111 @@
+"""The elementwise work between a layer's projections for steps of few rows: one C++ call per group.
+
+On the narrowing path (a float32 residual stream into bfloat16 int4 projections, models/int4_linear.py) a
+layer runs, between its projections, the residual add with RMSNorm (twice), the rotary embedding of q
+and k with its cast to the KV cache's dtype, and SwiGLU. Eager, that is ~20 small ATen ops a layer, and at
+one decode row each costs its dispatch, not its math. Inductor fuses them for steps of many rows
+(models/compiled_ops.py), but a compiled call costs ~40 us beyond an eager one: a loss below a few hundred
+rows. ``LayerGlue`` runs each group as one call of a C++ loop (layer_glue.cpp; the same float32 math and
+one rounding at the end, as inductor's fused graphs) for the steps the compiled graphs do not take: ~5 us
+a call at one row against 13-30 us for a group's eager ops. On a 2-core Xeon with AMX a one-row decode step
+of SmolLM2's GGUF took 0.89x its eager time, an 8-request one 0.89x (``scripts/bench_decode_ab.py``;
+docs/results/quantization.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from evenflow.worker.cpp_kernels import load_cpp
+from evenflow.worker.models.int4_linear import Int4CpuLinear
+from evenflow.worker.models.q4_blocks import Int4Weight
+
+if TYPE_CHECKING:
+    from evenflow.worker.models.llama import LlamaModel
+
+_SOURCE = Path(__file__).with_name("layer_glue.cpp")
+
+
+def _load() -> ctypes.CDLL | None:
+    lib = load_cpp(_SOURCE, "layer elementwise ops of few-row steps")
+    if lib is not None:
+        i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.glue_add_norm.argtypes = [ptr, i64, ptr, i64, ptr, ctypes.c_float, ptr, i64, i64, i32]
+        lib.glue_rotary.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
+        lib.glue_swiglu.argtypes = [ptr, i64, ptr, i64, i64, i32]
+        for fn in (lib.glue_add_norm, lib.glue_rotary, lib.glue_swiglu):
+            fn.restype = None
+    return lib
+
+
+class LayerGlue:
+    """``add_norm``, ``rotary_qk`` and ``swiglu`` as ``CompiledOps`` has them, for one model's widths, on
+    bfloat16 activations and KV cache beside a float32 residual stream: for the steps whose projections
+    all compute in bfloat16 under ``linear``'s plan (``build``: None where the kernel does not build)."""
+
+    def __init__(self, lib: ctypes.CDLL, linear: Int4CpuLinear, qk_heads: int, head_dim: int, inter: int) -> None:
+        self._lib, self._linear = lib, linear
+        self._qk_heads, self._head_dim, self._inter = qk_heads, head_dim, inter
+
+    @classmethod
+    def build(cls, linear: Int4CpuLinear, qk_heads: int, head_dim: int, inter: int) -> LayerGlue | None:
+        lib = _load()
+        return None if lib is None else cls(lib, linear, qk_heads, head_dim, inter)
+
+    def takes(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows computes its projections in bfloat16 (every projection is 4-bit,
+        so the plan alone says; it is read each step, as the kernel reads it)."""
+        plan = self._linear.plan
+        return plan.takes_int4(rows) or plan.dense_act_dtype == torch.bfloat16
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor, scaled: torch.Tensor, eps_root: torch.Tensor
+                 ) -> torch.Tensor:
+        """``x += delta`` in place (float32 ``x``, bfloat16 ``delta``), then RMSNorm of ``x`` in bfloat16:
+        ``x * scaled / hypot(|x|, eps_root)`` (rms_norm_narrowing)."""
+        rows, h = x.shape
+        assert x.dtype == torch.float32 and delta.dtype == torch.bfloat16 and x.stride(1) == delta.stride(1) == 1
+        assert scaled.dtype == torch.float32 and scaled.is_contiguous()
+        out = torch.empty(rows, h, dtype=torch.bfloat16)
+        self._lib.glue_add_norm(x.data_ptr(), x.stride(0), delta.data_ptr(), delta.stride(0), scaled.data_ptr(),
+                                float(eps_root), out.data_ptr(), rows, h, torch.get_num_threads())
+        return out
+
+    def rotary_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The q and k heads of a bfloat16 fused qkv output rotated (``RotaryTable.lookup``'s float32
+        tables), in bfloat16: [rows, q and k heads, head_dim]."""
+        rows, d = qkv.shape[0], self._head_dim
+        assert qkv.dtype == torch.bfloat16 and qkv.stride(1) == 1
+        assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+        out = torch.empty(rows, self._qk_heads, d, dtype=torch.bfloat16)
+        self._lib.glue_rotary(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows,
+                              self._qk_heads, d, torch.get_num_threads())
+        return out
+
+    def swiglu(self, gu: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a bfloat16 fused gate_up output, in bfloat16."""
+        rows, inter = gu.shape[0], self._inter
+        assert gu.dtype == torch.bfloat16 and gu.stride(1) == 1 and gu.shape[1] == 2 * inter
+        out = torch.empty(rows, inter, dtype=torch.bfloat16)
+        self._lib.glue_swiglu(gu.data_ptr(), gu.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads())
+        return out
+
+
+def attach_layer_glue(model: LlamaModel) -> str:
+    """Give ``model`` the C++ groups where it runs the narrowing path (GGUF 4-bit weights on a CPU with native
+    bfloat16: a float32 stream, bfloat16 projections and KV cache); returns what was done, for the log."""
+    linear = model.linear
+    if not (isinstance(linear, Int4CpuLinear) and model.dtype == torch.float32 and model.device.type == "cpu"
+            and model.kv_dtype == torch.bfloat16 and not model.tp.enabled and model._linears):
+        return "eager (the model's dtype is its projections' dtype: nothing to fuse around them)"
+    if any(type(p) is not Int4Weight for w in model._linears for p in (w.qkv, w.o, w.gate_up, w.down)):
+        return "eager (some projections are dense, and compute in float32)"
+    if any(w.qkv_bias is not None for w in model._linears):  # a float32 bias widens the qkv output
+        return "eager (the qkv projection has a bias)"
+    glue = LayerGlue.build(linear, model.num_heads + model.num_kv_heads, model.cfg.head_dim, model.intermediate)
+    if glue is None:
+        return "eager (the C++ kernel did not build)"
+    model.layer_glue = glue
+    return "C++ groups for the bfloat16 steps the compiled graphs do not take"

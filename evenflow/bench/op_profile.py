@@ -1,7 +1,9 @@
 """One decode step by op class: torch.profiler over synthetic decode steps, the attention backend,
-the LM head, the sampler and the C++ layer glue (models/layer_glue.py) each as a whole, every other top-level aten op put in a class by name
+the LM head and the sampler each as a whole, every other top-level aten op put in a class by name
 (int4 linears, dense linears, norms, rotary, casts, elementwise, views), and the step's wall time
-less all of them as "Python and dispatch" (the interpreter between ops).
+less all of them as "Python and dispatch" (the interpreter between ops, and the C++ layer glue of
+models/layer_glue.py, whose ctypes calls are no aten ops: a label of its own, one ``record_function`` a
+call, cost several times what the calls do).
 
 The profiler adds ~1 us an op, so its absolute figures run above an unprofiled step; the split is
 what it is for (evenflow/bench/roofline.py times the unprofiled step).
@@ -16,14 +18,13 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from evenflow.worker.models.layer_glue import LayerGlue
 from evenflow.worker.runner import ModelRunner
 from evenflow.worker.sampling_metadata import SamplingMetadata
 from evenflow.worker.synthetic_steps import synthetic_step
 
-# The attention backend, the layer glue, the LM head and the sampler are labelled as a whole
-# (record_function); every other top-level aten op is put in a class by its name.
-LABELLED = ("attention", "layer glue", "LM head", "sampling")
+# The attention backend, the LM head and the sampler are labelled as a whole (record_function); every
+# other top-level aten op is put in a class by its name.
+LABELLED = ("attention", "LM head", "sampling")
 CLASSES: dict[str, tuple[str, ...]] = {
     "int4 linears": ("aten::_weight_int4pack_mm_for_cpu",),
     "dense linears": ("mkldnn::_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul"),
@@ -51,15 +52,6 @@ class _Labelled:
             return self.fn(*args, **kwargs)
 
 
-class _LabelledGlue:
-    """The model's ``LayerGlue`` with each group's call labelled."""
-
-    def __init__(self, glue: LayerGlue) -> None:
-        self.takes = glue.takes
-        self.add_norm, self.rotary_qk, self.swiglu = (_Labelled(f, "layer glue")
-                                                      for f in (glue.add_norm, glue.rotary_qk, glue.swiglu))
-
-
 @dataclass(frozen=True)
 class OpSplit:
     wall_ms: float  # the profiled step
@@ -78,7 +70,7 @@ def op_split(runner: ModelRunner, batch: int, context: int, steps: int = 10) -> 
     meta = SamplingMetadata(num_reqs=batch, vocab_size=runner.vocab_size)
     attn = runner.attn
     sampler = _Labelled(runner.sampler, "sampling")
-    head_kernel, screened, glue = model.head_linear, model._screened_head, model.layer_glue
+    head_kernel, screened = model.head_linear, model._screened_head
 
     class _Attention:
         forward = _Labelled(attn.forward, "attention")
@@ -89,8 +81,6 @@ def op_split(runner: ModelRunner, batch: int, context: int, steps: int = 10) -> 
                        greedy=True)
         sampler(logits, meta).sampled_token_ids.tolist()
 
-    if glue is not None:
-        model.layer_glue = _LabelledGlue(glue)  # type: ignore[assignment]
     if screened is None:
         model.head_linear = _Labelled(head_kernel, "LM head")
     else:
@@ -105,7 +95,7 @@ def op_split(runner: ModelRunner, batch: int, context: int, steps: int = 10) -> 
                     one()
                 wall = time.perf_counter() - t0
     finally:
-        model.head_linear, model._screened_head, model.layer_glue = head_kernel, screened, glue
+        model.head_linear, model._screened_head = head_kernel, screened
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.cpu_parent is not None:

@@ -45,6 +45,7 @@ def whole_steps(args: argparse.Namespace) -> None:
     ops = runner.model.compiled_ops
     if ops is None:
         return
+    runner.model.layer_glue = None  # eager against compiled (the C++ groups: bench_decode_ab.py)
     timer = StepTimer(runner, 16)
     shapes = [Shape(args.decodes, 256, c, 1024 if c < 2048 else 0) for c in chunks]
     seconds: dict[tuple[Shape, bool], list[float]] = {}

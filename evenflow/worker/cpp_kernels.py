@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("evenflow.worker.cpp_kernels")
@@ -18,9 +19,10 @@ log = logging.getLogger("evenflow.worker.cpp_kernels")
 _loaded: dict[Path, ctypes.CDLL | None] = {}
 
 
-def load_cpp(source: Path, purpose: str) -> ctypes.CDLL | None:
-    """The library built from ``source`` (once per process), or None if it does not build; ``purpose``
-    names what it serves in the log line that says which path runs."""
+def load_cpp(source: Path, purpose: str, bind: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
+    """The library built from ``source`` (once per process) with ``bind`` having set its functions'
+    argument types, or None if it does not build or lacks a function ``bind`` names; ``purpose`` names what
+    it serves in the log line that says which path runs."""
     if source in _loaded:
         return _loaded[source]
     try:
@@ -28,8 +30,9 @@ def load_cpp(source: Path, purpose: str) -> ctypes.CDLL | None:
 
         start = time.perf_counter()
         lib = CppCodeCache.load(source.read_text())
+        bind(lib)
         log.info("%s: the C++ kernel (built or loaded in %.1f s)", purpose, time.perf_counter() - start)
-    except Exception as e:  # no C++ compiler, an inductor API that moved: PyTorch's ops serve
+    except Exception as e:  # no C++ compiler, an inductor API that moved, a stale build: PyTorch's ops serve
         lib = None
         log.warning("%s stays PyTorch's: the C++ kernel did not build (%s: %s)", purpose, type(e).__name__, e)
     _loaded[source] = lib

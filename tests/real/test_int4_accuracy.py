@@ -121,25 +121,29 @@ def test_int4_logits_and_perplexity_track_the_float32_path(path: str, text_refer
     assert float((got.logits.argmax(-1) == reference.logits.argmax(-1)).float().mean()) >= 0.9
 
 
-def test_compiled_layer_ops_track_the_float32_path_as_the_eager_ops_do(float32_runner: ModelRunner,
+def test_fused_layer_ops_track_the_float32_path_as_the_eager_ops_do(float32_runner: ModelRunner,
                                                                       int4_runner: ModelRunner,
                                                                       tokenizer: Tokenizer) -> None:
     """A text long enough for the compiled elementwise groups (models/compiled_ops.py) in one step through
-    the dequantized bfloat16 path, with them and without: both within the stated tolerances."""
+    the dequantized bfloat16 path, with them, with the C++ groups that take such a step where nothing is
+    compiled (``--enforce-eager``; models/layer_glue.py, where this CPU runs them), and with neither: all
+    within the stated tolerances."""
     ids = tokenizer.encode(" ".join([TEXT] * 3))
     assert len(ids) >= COMPILE_MIN_ROWS
     model = int4_runner.model
-    saved_plan, saved_ops = model.linear.plan, model.compiled_ops
+    saved_plan, saved_ops, saved_glue = model.linear.plan, model.compiled_ops, model.layer_glue
     try:  # the bfloat16 many-row path, whatever this machine's start-up measurement chose
         model.linear.plan = _dense_plan("dequantized bfloat16")
         assert compile_layer_ops(model, COMPILE_MIN_ROWS).startswith("compiled")
         compiled = score(int4_runner, ids, len(ids))
         model.compiled_ops = None
+        glue = [score(int4_runner, ids, len(ids))] if saved_glue is not None else []
+        model.layer_glue = None
         eager = score(int4_runner, ids, len(ids))
     finally:
-        model.linear.plan, model.compiled_ops = saved_plan, saved_ops
+        model.linear.plan, model.compiled_ops, model.layer_glue = saved_plan, saved_ops, saved_glue
     reference = score(float32_runner, ids, len(ids))
-    for got in (compiled, eager):
+    for got in (compiled, *glue, eager):
         diff = (got.logits - reference.logits).abs()
         assert abs(got.perplexity / reference.perplexity - 1) <= PPL_REL_TOL, (got.perplexity, reference.perplexity)
         assert float(diff.mean()) <= MEAN_LOGIT_TOL and float(diff.max()) <= MAX_LOGIT_TOL, (diff.mean(), diff.max())

@@ -10,9 +10,18 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import gguf
+
 from evenflow.core.component_configs import worker_template
 from evenflow.core.engine_config import config_from_args
-from evenflow.worker.models.compiled_ops import CompiledOps, add_norm, compile_layer_ops, rotary_qk, swiglu
+from evenflow.worker.models.compiled_ops import (
+    COMPILE_MIN_ROWS, CompiledOps, add_norm, compile_layer_ops, rotary_qk, swiglu,
+)
+from evenflow.worker.models.int4_linear import Int4Plan
+from evenflow.worker.models.linear import cpu_has_fast_path
+from tests.checkpoints import make_checkpoint
+from tests.gguf_files import write_gguf
+from tests.real.scoring import score
 from tests.worker.harness import make_runner
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 4, 2, 16, 96
@@ -116,3 +125,21 @@ def test_enforce_eager_reaches_the_workers(tiny_llama: Path) -> None:
         cfg = config_from_args(["--model", str(tiny_llama), *argv])
         assert cfg.enforce_eager is expected
         assert worker_template(cfg, str(tiny_llama), 512).enforce_eager is expected
+
+
+def test_a_qkv_bias_compiles_nothing_after_the_warm_up(checkpoint_root: Path, tmp_path: Path) -> None:
+    """Qwen2's float32 qkv bias widens the bfloat16 qkv product: the warm-up compiles the rotary group for
+    that dtype, so a long step of such a model does not compile it again while requests wait."""
+    if not cpu_has_fast_path(torch.bfloat16):
+        pytest.skip("4-bit weights compute in float32 on this CPU: no narrowing path to compile")
+    qwen2 = make_checkpoint(checkpoint_root, model_type="qwen2", architectures=["Qwen2ForCausalLM"], seed=3)
+    runner = make_runner(write_gguf(qwen2, tmp_path / "qwen2-q4_1.gguf", gguf.GGMLQuantizationType.Q4_1),
+                         num_blocks=64, quantization="gguf")
+    model = runner.model
+    assert model._linears[0].qkv_bias is not None
+    model.linear.plan = Int4Plan(4, torch.bfloat16, "test")  # many-row steps in bfloat16, whatever start-up chose
+    assert compile_layer_ops(model, COMPILE_MIN_ROWS).startswith("compiled")
+    before = sum(counters["frames"].values())
+    prompt = [(7 * i) % 250 + 1 for i in range(COMPILE_MIN_ROWS + 44)]
+    score(runner, prompt, len(prompt))
+    assert sum(counters["frames"].values()) == before

@@ -7,9 +7,9 @@ place from their blocks, with float32 math (the scores' softmax with PyTorch's o
 2-core Xeon with AMX, SmolLM2-135M's shapes (9 query heads over 3 KV heads, head_dim 64), per layer:
 ``scripts/probe_decode_attention.py`` prints the table (docs/results/quantization.md).
 
-It is compiled once per machine (evenflow/worker/cpp_kernels.py) and called through ctypes. Without a compiler, or for shapes it does
-not serve (head_dim other than 64 or 128, a float32 cache: the exact reference path), decodes keep
-PyTorch's attention.
+It is compiled once per machine (evenflow/worker/cpp_kernels.py) and called through ctypes. Without a
+compiler, or for shapes it does not serve (head_dim other than 64 or 128, a float32 cache: the exact
+reference path), decodes keep PyTorch's attention.
 """
 
 from __future__ import annotations
@@ -24,14 +24,16 @@ HEAD_DIMS = (64, 128)
 _SOURCE = Path(__file__).with_name("paged_decode.cpp")
 
 
+def _bind(lib: ctypes.CDLL) -> None:
+    fn = lib.paged_decode_bf16
+    fn.restype = ctypes.c_int
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    lib.paged_decode_max_group.restype = ctypes.c_int
+
+
 def _load() -> ctypes.CDLL | None:
-    lib = load_cpp(_SOURCE, "decode attention on the bfloat16 KV cache")
-    if lib is not None:
-        fn = lib.paged_decode_bf16
-        fn.restype = ctypes.c_int
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-    return lib
+    return load_cpp(_SOURCE, "decode attention on the bfloat16 KV cache", _bind)
 
 
 class PagedDecodeKernel:

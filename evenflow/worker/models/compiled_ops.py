@@ -63,7 +63,10 @@ class CompiledOps:
     inductor from vectorizing); the rows are symbolic, so one graph per function serves every step."""
 
     def __init__(self, min_rows: int, hidden: int, qkv_width: int, qk_end: int, head_dim: int, inter: int,
-                 act_dtype: torch.dtype, kv_dtype: torch.dtype, rotary_dtype: torch.dtype) -> None:
+                 act_dtype: torch.dtype, kv_dtype: torch.dtype, rotary_dtype: torch.dtype,
+                 qkv_dtype: torch.dtype | None = None) -> None:
+        """``qkv_dtype``: the qkv projection's output dtype where it is not ``act_dtype`` (a float32 bias added
+        to a bfloat16 product widens it), so that the warm-up compiles the graph the steps call."""
         self.min_rows = min_rows
 
         def add_norm_(x: torch.Tensor, delta: torch.Tensor, scaled: torch.Tensor, eps_root: torch.Tensor
@@ -77,7 +80,7 @@ class CompiledOps:
             return swiglu(gu, inter, act_dtype)
 
         self.add_norm, self.rotary_qk, self.swiglu = (torch.compile(fn) for fn in (add_norm_, rotary_qk_, swiglu_))
-        self._inputs = (hidden, qkv_width, head_dim, inter, act_dtype, rotary_dtype)
+        self._inputs = (hidden, qkv_width, head_dim, inter, act_dtype, rotary_dtype, qkv_dtype or act_dtype)
 
     def warm_up(self, thread_counts: Iterable[int] = ()) -> tuple[int, ...]:
         """Compile the three graphs (or load them from inductor's cache) with the rows symbolic, for each of
@@ -94,7 +97,7 @@ class CompiledOps:
         return counts
 
     def _compile(self) -> None:
-        hidden, qkv_width, head_dim, inter, act, rotary_dtype = self._inputs
+        hidden, qkv_width, head_dim, inter, act, rotary_dtype, qkv_dtype = self._inputs
         rows = max(self.min_rows, 2)
 
         def rows_dynamic(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -107,7 +110,7 @@ class CompiledOps:
         scaled, eps_root = torch.ones(hidden), torch.tensor(1.0)
         with torch.inference_mode():
             self.add_norm(rows_dynamic(hidden, dtype=torch.float32), rows_dynamic(hidden, dtype=act), scaled, eps_root)
-            self.rotary_qk(rows_dynamic(qkv_width, dtype=act), rows_dynamic(1, head_dim, dtype=rotary_dtype),
+            self.rotary_qk(rows_dynamic(qkv_width, dtype=qkv_dtype), rows_dynamic(1, head_dim, dtype=rotary_dtype),
                            rows_dynamic(1, head_dim, dtype=rotary_dtype))
             self.swiglu(rows_dynamic(2 * inter, dtype=act))
 
@@ -115,23 +118,33 @@ class CompiledOps:
         return rows >= self.min_rows
 
 
+def off_narrowing_path(model: LlamaModel) -> str | None:
+    """Why ``model`` does not run the narrowing path (a float32 residual stream into int4 projections, on one
+    CPU process), or None where it does: the one gate of the fused elementwise groups, compiled and C++."""
+    if not (isinstance(model.linear, Int4CpuLinear) and model.dtype == torch.float32 and model.device.type == "cpu"
+            and not model.tp.enabled and model._linears):
+        return "the model's dtype is its projections' dtype: nothing to fuse around them"
+    return None
+
+
 def compile_layer_ops(model: LlamaModel, min_rows: int, thread_counts: Iterable[int] = ()) -> str:
     """Give ``model`` compiled elementwise groups for steps of ``min_rows`` rows or more on any of
     ``thread_counts`` (default: the current count), where it runs the narrowing path: a float32 residual
     stream into bfloat16 projections (GGUF 4-bit weights on a CPU with native bfloat16). Returns what was
     done, for the start-up log."""
-    linear = model.linear
-    w = model._linears[0] if model._linears else None
-    if not (isinstance(linear, Int4CpuLinear) and model.dtype == torch.float32 and model.device.type == "cpu"
-            and not model.tp.enabled and w is not None):
-        return "eager (the model's dtype is its projections' dtype: nothing to fuse around them)"
+    off = off_narrowing_path(model)
+    if off is not None:
+        return f"eager ({off})"
+    linear, w = model.linear, model._linears[0]
+    assert isinstance(linear, Int4CpuLinear)
     act = linear.act_dtype(w.qkv, min_rows)
     if act == torch.float32 or any(linear.act_dtype(p, min_rows) != act for p in (w.o, w.gate_up, w.down)):
         return f"eager ({min_rows}-row steps compute in float32: no narrowing casts to fuse)"
     cfg = model.cfg
     qk_end = model.q_size + model.kv_size
+    qkv_dtype = act if w.qkv_bias is None else torch.promote_types(act, w.qkv_bias.dtype)
     ops = CompiledOps(min_rows, cfg.hidden_size, qk_end + model.kv_size, qk_end, cfg.head_dim, model.intermediate,
-                      act, model.kv_dtype, model.rotary.cos.dtype)
+                      act, model.kv_dtype, model.rotary.cos.dtype, qkv_dtype)
     previous = inductor_config.compile_threads
     inductor_config.compile_threads = 1  # no pool of compile processes left beside the worker
     start = time.perf_counter()

@@ -43,11 +43,13 @@ void add_norm_row(float* x, const bf16* delta, const float* scaled, float eps_ro
     Vec d0, d1;
     load_bf16(delta + i, n, d0, d1);
     const int64_t n0 = std::min<int64_t>(Vec::size(), n), n1 = n - n0;
-    const Vec x0 = Vec::loadu(x + i, n0) + d0;
+    // A partial bfloat16 load need not zero its other lanes (some ATen versions leave them): only the
+    // row's own values go into the sum.
+    const Vec x0 = Vec::set(Vec(0.f), Vec::loadu(x + i, n0) + d0, n0);
     x0.store(x + i, n0);
     sq = at::vec::fmadd(x0, x0, sq);
     if (n1 > 0) {
-      const Vec x1 = Vec::loadu(x + i + Vec::size(), n1) + d1;
+      const Vec x1 = Vec::set(Vec(0.f), Vec::loadu(x + i + Vec::size(), n1) + d1, n1);
       x1.store(x + i + Vec::size(), n1);
       sq = at::vec::fmadd(x1, x1, sq);
     }

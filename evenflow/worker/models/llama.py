@@ -19,8 +19,8 @@ from evenflow.worker.config_reader import ModelConfig
 from evenflow.worker.layered_prefill import LayeredForward, layered_boundary
 from evenflow.worker.lora.pool import LoRAStep
 from evenflow.worker.models.compiled_ops import CompiledOps, swiglu
-from evenflow.worker.models.layer_glue import LayerGlue
 from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan, int4_fits, int4_plan, layout_matches
+from evenflow.worker.models.layer_glue import LayerGlue
 from evenflow.worker.models.layers import RotaryTable, apply_rotary, rms_norm, rms_norm_heads, rms_norm_narrowing
 from evenflow.worker.models.lm_head import ScreenedHead
 from evenflow.worker.models.linear import (
@@ -294,7 +294,7 @@ class LlamaModel(nn.Module):
         if lora is None:
             if self.compiled_ops is not None and self.compiled_ops.takes(n):
                 ops = self.compiled_ops
-            elif self.layer_glue is not None and self.layer_glue.takes(n):
+            elif self.layer_glue is not None and self.layer_glue.takes(self.linear, n):
                 ops = self.layer_glue
         return n, cos, sin, ops
 

@@ -67,6 +67,11 @@ class Int4Plan:
         """Whether a step of ``rows`` rows runs on the int4 kernel (else on the dense path)."""
         return rows <= self.max_int4_rows
 
+    def act_dtype(self, rows: int) -> torch.dtype:
+        """The dtype a 4-bit weight's product computes in at ``rows`` rows: the int4 kernel's bfloat16, else
+        the dense path's."""
+        return torch.bfloat16 if self.takes_int4(rows) else self.dense_act_dtype
+
     @property
     def dense_act_dtype(self) -> torch.dtype:
         """The dtype many-row steps compute in: float16 weights take float32 activations."""
@@ -90,7 +95,7 @@ class Int4CpuLinear:
         not cast, and the result comes back in ``x``'s dtype."""
         if type(weight) is not Int4Weight:
             return self.dense.act_dtype(weight, rows)
-        return torch.bfloat16 if self.plan.takes_int4(rows) else self.plan.dense_act_dtype
+        return self.plan.act_dtype(rows)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None
                  ) -> torch.Tensor:

@@ -58,10 +58,7 @@ class LayerGlue:
     def takes(linear: Linear | Int4CpuLinear, rows: int) -> bool:
         """Whether a step of ``rows`` rows computes every projection in bfloat16 under ``linear``, the model's
         kernel as it is now (``attach_layer_glue`` checked that every projection is 4-bit, so its plan says)."""
-        if not isinstance(linear, Int4CpuLinear):
-            return False
-        plan = linear.plan
-        return plan.takes_int4(rows) or plan.dense_act_dtype == torch.bfloat16
+        return isinstance(linear, Int4CpuLinear) and linear.plan.act_dtype(rows) == torch.bfloat16
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor, scaled: torch.Tensor, eps_root: torch.Tensor
                  ) -> torch.Tensor:

@@ -188,7 +188,7 @@ class LlamaModel(nn.Module):
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, scaled: torch.Tensor,
                   out_dtype: torch.dtype, ops: CompiledOps | LayerGlue | None) -> torch.Tensor:
         """``x += delta`` (the residual stream, this step's own tensor; all-reduced across ranks), then
-        its RMSNorm into ``out_dtype``: one compiled graph where the step takes ``ops``."""
+        its RMSNorm into ``out_dtype``: one compiled graph or C++ call where the step takes ``ops``."""
         if delta is None:
             return self._norm(x, weight, scaled, out_dtype)
         if ops is not None:  # never with tensor parallelism (the narrowing path is int4's)

@@ -33,6 +33,7 @@ from evenflow.worker.int4_weights import effective_quantization
 from evenflow.worker.loader import load_weights, resolve_dtype
 from evenflow.worker.lora.pool import build_lora_pool
 from evenflow.worker.models.compiled_ops import COMPILE_MIN_ROWS, compile_layer_ops
+from evenflow.worker.models.fused_decode import attach_fused_decode
 from evenflow.worker.models.layer_glue import attach_layer_glue
 from evenflow.worker.models.registry import build_model
 from evenflow.worker.parallel import destroy_tensor_parallel, init_tensor_parallel
@@ -104,6 +105,8 @@ class ModelRunner:
         cfg = self.model_config
         self.attn = backend_cls(self.model.num_heads, self.model.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,
                                 self.kv_dtype, self.device)
+        if self.device.type == "cpu":
+            log.info("layers of few-row decode steps: %s", attach_fused_decode(self.model, self.attn))
         self.batch = PersistentBatch(config.max_num_seqs, config.max_model_len, self.block_size, self.device,
                                      cfg.num_layers)
         self.layered_hidden = LayeredHiddenStore()  # prompts between their layer-group steps

@@ -21,7 +21,7 @@ import torch
 from evenflow.worker.cpp_kernels import load_cpp
 
 HEAD_DIMS = (64, 128)
-_SOURCE = Path(__file__).with_name("paged_decode.cpp")
+SOURCE = Path(__file__).with_name("paged_decode.cpp")
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -33,7 +33,7 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 def _load() -> ctypes.CDLL | None:
-    return load_cpp(_SOURCE, "decode attention on the bfloat16 KV cache", _bind)
+    return load_cpp(SOURCE, "decode attention on the bfloat16 KV cache", _bind)
 
 
 class PagedDecodeKernel:

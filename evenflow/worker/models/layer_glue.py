@@ -28,7 +28,7 @@ from evenflow.worker.models.q4_blocks import Int4Weight
 if TYPE_CHECKING:
     from evenflow.worker.models.llama import LlamaModel
 
-_SOURCE = Path(__file__).with_name("layer_glue.cpp")
+SOURCE = Path(__file__).with_name("layer_glue.cpp")
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -51,7 +51,7 @@ class LayerGlue:
 
     @classmethod
     def build(cls, qk_heads: int, head_dim: int, inter: int) -> LayerGlue | None:
-        lib = load_cpp(_SOURCE, "layer elementwise ops of few-row steps", _bind)
+        lib = load_cpp(SOURCE, "layer elementwise ops of few-row steps", _bind)
         return None if lib is None else cls(lib, qk_heads, head_dim, inter)
 
     @staticmethod

@@ -20,6 +20,7 @@ from evenflow.worker.layered_prefill import LayeredForward, layered_boundary
 from evenflow.worker.lora.pool import LoRAStep
 from evenflow.worker.models.compiled_ops import CompiledOps, swiglu
 from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan, int4_fits, int4_plan, layout_matches
+from evenflow.worker.models.fused_decode import FusedDecode
 from evenflow.worker.models.layer_glue import LayerGlue
 from evenflow.worker.models.layers import RotaryTable, apply_rotary, rms_norm, rms_norm_heads, rms_norm_narrowing
 from evenflow.worker.models.lm_head import ScreenedHead
@@ -138,6 +139,7 @@ class LlamaModel(nn.Module):
         self.int4_plan: Int4Plan | None = None  # the start-up measurement's choice, where 4-bit parts were loaded
         self.compiled_ops: CompiledOps | None = None  # set by the runner where many-row steps compile
         self.layer_glue: LayerGlue | None = None  # set by the runner where the narrowing path runs
+        self.fused_decode: FusedDecode | None = None  # set by the runner beside the glue and the decode kernel
 
     # ---------------------------------------------------------------- loading
 
@@ -334,7 +336,12 @@ class LlamaModel(nn.Module):
         plan = attn_plan if layered is None or layered.start == 0 else layered.rest_plan
         delta: torch.Tensor | None = None  # the last projection's output, added to x by the next norm
         n, cos, sin, ops = self._rows_view(x, cos_all, sin_all, lora)
-        for i, (layer, w, (in_scaled, post_scaled)) in enumerate(zip(self.layers, self._linears, self._scaled_norms)):
+        stack = zip(self.layers, self._linears, self._scaled_norms)
+        if self.fused_decode is not None and layered is None and FusedDecode.takes(attn_plan, n, ops):
+            h0 = self._norm(x, self.layers[0].input_norm, self._scaled_norms[0][0], torch.bfloat16)
+            self.fused_decode(x, h0, cos, sin, kv_caches, attn_plan, attn.scale)  # every layer, in C++
+            stack = zip()
+        for i, (layer, w, (in_scaled, post_scaled)) in enumerate(stack):
             if layered is not None and i in (layered.start, layered.end) and (i > 0 or layered.start > 0):
                 x, delta, plan = layered_boundary(i, x, delta, layered, attn_plan, num_rest)
                 n, cos, sin, ops = self._rows_view(x, cos_all, sin_all, lora)  # the rows changed: only here

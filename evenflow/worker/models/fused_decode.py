@@ -1,0 +1,109 @@
+"""Every layer of a few-row decode step in one C++ call, where the layer glue and the decode kernel run.
+
+With the layer glue (layer_glue.py) and the decode-attention kernel (attention/cpu_decode.py), a layer of a
+one-row step on the narrowing path is ten calls from Python: the add-norm, four int4 projections, the
+rotary, two K/V writes, the attention, the second add-norm and SwiGLU. At one row each call costs more
+in the interpreter and the dispatcher than in its loop. ``FusedDecode`` runs the whole layer loop in C++
+(fused_decode.cpp, compiled with the glue's and the kernel's sources in one library): the same loops, the
+int4 projections through ATen, so a step's layers give the same bits as the Python loop with the glue.
+
+It takes a step when the glue would take it (every projection int4 in bfloat16 at its row count) and the
+step is decodes alone, all attended by the kernel: no prompt chunks, no LoRA, no layer groups.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from evenflow.worker.attention.cpu_decode import SOURCE as ATTENTION_SOURCE
+from evenflow.worker.attention.torch_paged import TorchAttentionPlan
+from evenflow.worker.cpp_kernels import load_cpp_sources
+from evenflow.worker.models.layer_glue import SOURCE as GLUE_SOURCE
+from evenflow.worker.models.layer_glue import LayerGlue
+
+if TYPE_CHECKING:
+    from evenflow.worker.attention.base import KVCache
+    from evenflow.worker.models.llama import LlamaModel
+
+_SOURCE = Path(__file__).with_name("fused_decode.cpp")
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.fused_register.restype = i64
+    lib.fused_register.argtypes = [i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+    lib.fused_decode_step.restype = ctypes.c_int
+    lib.fused_decode_step.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, ctypes.c_float,
+                                      ctypes.c_int]
+
+
+def _int64s(values: list[int]) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+class FusedDecode:
+    """The layer loop of one model's decode steps as one C++ call (``build``: None where it does not build)."""
+
+    def __init__(self, lib: ctypes.CDLL, model: LlamaModel) -> None:
+        self._step = lib.fused_decode_step
+        ptrs, dims, norms = [], [], []
+        for w, (in_scaled, post_scaled) in zip(model._linears, model._scaled_norms):
+            for p in (w.qkv, w.o, w.gate_up, w.down):
+                for t in (p.packed, p.scale_zeros):
+                    assert t.is_contiguous() and t.dim() in (2, 3)
+                    ptrs.append(t.data_ptr())
+                    dims.extend([*t.shape, 0][:3])
+            assert in_scaled.dtype == post_scaled.dtype == torch.float32
+            norms.extend([in_scaled.data_ptr(), post_scaled.data_ptr()])
+        # The C++ side keeps views of these: the model holds them as long as this object lives.
+        self._handle = lib.fused_register(len(model._linears), _int64s(ptrs), _int64s(dims), _int64s(norms),
+                                          model.cfg.hidden_size, model.num_heads, model.num_kv_heads,
+                                          model.cfg.head_dim, model.intermediate, float(model._eps_root))
+
+    @classmethod
+    def build(cls, model: LlamaModel) -> FusedDecode | None:
+        lib = load_cpp_sources([GLUE_SOURCE, ATTENTION_SOURCE, _SOURCE], "the layers of few-row decode steps", _bind)
+        return None if lib is None else cls(lib, model)
+
+    @staticmethod
+    def takes(plan: object, rows: int, glue: LayerGlue | None) -> bool:
+        """Whether a step of ``rows`` rows under attention ``plan`` is decodes alone, all by the C++ kernel,
+        and ``glue`` is the step's elementwise path (every projection int4 in bfloat16)."""
+        return (isinstance(glue, LayerGlue) and isinstance(plan, TorchAttentionPlan) and not plan.chunks
+                and not plan.decode_groups and plan.kernel_decodes is not None and plan.kernel_decodes.num == rows)
+
+    def __call__(self, x: torch.Tensor, h0: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_caches: list[KVCache], plan: TorchAttentionPlan, scale: float) -> None:
+        """Every layer of a step ``takes`` accepted: ``x`` (the float32 residual stream, [rows, hidden]) is
+        left as the last layer's output; ``h0`` is layer 0's normed input in bfloat16."""
+        rows, kd = x.shape[0], plan.kernel_decodes
+        assert kd is not None and x.dtype == torch.float32 and x.is_contiguous()
+        assert h0.dtype == torch.bfloat16 and h0.is_contiguous() and h0.shape == x.shape
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == torch.float32
+        slots = plan.slot_mapping
+        assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == rows
+        k0 = kv_caches[0][0]
+        assert k0.dtype == torch.bfloat16 and all(c.is_contiguous() and c.shape == k0.shape for kv in kv_caches for c in kv)
+        kv_ptrs = _int64s([c.data_ptr() for kv in kv_caches for c in kv])
+        rc = self._step(self._handle, x.data_ptr(), h0.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                        kd.block_table.data_ptr(), kd.block_table.stride(0), kd.seq_lens.data_ptr(), kv_ptrs,
+                        k0.shape[1], rows, scale, torch.get_num_threads())
+        if rc:
+            raise ValueError(f"fused decode: the attention kernel refused the heads (code {rc})")
+
+
+def attach_fused_decode(model: LlamaModel, attn: object) -> str:
+    """Give ``model`` the fused layer loop where its decode steps take the layer glue and ``attn`` (the step's
+    attention backend) decodes by the C++ kernel; returns what was done, for the start-up log."""
+    if model.layer_glue is None:
+        return "off (no layer glue)"
+    if model.cfg.qk_norm:
+        return "off (Qwen3's per-head q/k norm stays PyTorch's)"
+    kernel = getattr(attn, "decode_kernel", None)
+    if kernel is None or not kernel.available:
+        return "off (decode attention is not the C++ kernel)"
+    model.fused_decode = FusedDecode.build(model)
+    return "off (the C++ library did not build)" if model.fused_decode is None else "one C++ call a step"

@@ -1,0 +1,151 @@
+"""Every layer of a decode step in one C++ call (evenflow/worker/models/fused_decode.py): the same bits as the
+Python layer loop with the layer glue (logits and every K/V written), on blocks out of order, at 1 to 6
+rows and both thread counts; taken only for decode steps the glue and the decode kernel take; served
+greedy tokens unchanged; and where it is off, the start-up log says why."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from unittest.mock import patch
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from evenflow.worker.models.fused_decode import FusedDecode, attach_fused_decode
+from evenflow.worker.models.int4_linear import Int4Plan
+from evenflow.worker.models.linear import cpu_has_fast_path
+from evenflow.worker.runner import ModelRunner
+from evenflow.worker.synthetic_steps import SyntheticStep, synthetic_step
+from tests.checkpoints import make_checkpoint
+from tests.gguf_files import write_gguf
+from tests.worker.harness import Job, greedy, make_runner, run_jobs
+
+# SmolLM2's head shape (head_dim 64, 3 query heads a KV head) at a size the tests run fast; every
+# projection fills the int4 kernel's 64-row tiles.
+SHAPE = dict(hidden_size=192, intermediate_size=192, num_hidden_layers=3, num_attention_heads=3,
+             num_key_value_heads=1, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(checkpoint_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("gguf-fused")
+    return write_gguf(make_checkpoint(checkpoint_root, seed=11, **SHAPE), out / "fused-q4_1.gguf",
+                      gguf.GGMLQuantizationType.Q4_1)
+
+
+def _fused_runner(model: Path, num_blocks: int = 96) -> ModelRunner:
+    if not cpu_has_fast_path(torch.bfloat16):
+        pytest.skip("4-bit weights compute in float32 on this CPU: the narrowing path, and the glue, are off")
+    runner = make_runner(model, num_blocks=num_blocks, block_size=16, quantization="gguf")
+    if runner.model.fused_decode is None:
+        pytest.skip("no C++ compiler for inductor's toolchain here")
+    runner.model.linear.plan = Int4Plan(6, torch.bfloat16, "test")  # up to 6 rows on the int4 kernel
+    return runner
+
+
+def _shuffled(step: SyntheticStep, num_blocks: int, seed: int) -> SyntheticStep:
+    """``step`` with its blocks at other ids, out of order (a served cache's blocks are seldom a range)."""
+    perm = np.random.default_rng(seed).permutation(num_blocks).astype(np.int32)
+    a = step.attn
+    table = perm[a.block_table_np]
+    slots_np = a.slot_mapping.numpy()
+    slots = perm[slots_np // a.block_size].astype(np.int64) * a.block_size + slots_np % a.block_size
+    attn = replace(a, block_table=torch.from_numpy(table), block_table_np=table, slot_mapping=torch.from_numpy(slots))
+    return replace(step, attn=attn)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lens", [[40], [70, 33, 17], [200, 5, 64, 129, 31, 90]])
+def test_a_fused_step_gives_the_python_loops_bits(q4_gguf: Path, lens: list[int], threads: int) -> None:
+    runner = _fused_runner(q4_gguf)
+    model, fused = runner.model, runner.model.fused_decode
+    step = _shuffled(synthetic_step([1] * len(lens), lens, runner.block_size, runner.device), 96, len(lens))
+    g = torch.Generator().manual_seed(len(lens))
+    for k, v in runner.kv_caches:
+        k.copy_(torch.randn(k.shape, generator=g))
+        v.copy_(torch.randn(v.shape, generator=g))
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    ids = torch.randint(0, 256, (len(lens),), generator=g)
+    plan = runner.attn.plan(step.attn)
+    assert FusedDecode.takes(plan, len(lens), model.layer_glue)
+
+    def forward(with_fused: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for (k, v), (k0, v0) in zip(runner.kv_caches, before):
+            k.copy_(k0)
+            v.copy_(v0)
+        model.fused_decode = fused if with_fused else None
+        try:
+            with torch.inference_mode():
+                logits = model(ids, step.positions, runner.kv_caches, runner.attn, plan, step.logits_indices)
+        finally:
+            model.fused_decode = fused
+        return logits, [c.clone() for kv in runner.kv_caches for c in kv]
+
+    prior = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        (fused_logits, fused_kv), (loop_logits, loop_kv) = forward(True), forward(False)
+    finally:
+        torch.set_num_threads(prior)
+    assert torch.equal(fused_logits, loop_logits)
+    assert all(torch.equal(a, b) for a, b in zip(fused_kv, loop_kv))
+    assert not all(torch.equal(a, b) for a, b in zip(fused_kv, (c for kv in before for c in kv)))  # K/V written
+
+
+def test_taken_only_for_decode_steps_the_glue_and_the_kernel_take(q4_gguf: Path) -> None:
+    runner = _fused_runner(q4_gguf)
+    glue = runner.model.layer_glue
+
+    def plan(q_lens: list[int], ctx: list[int]) -> object:
+        return runner.attn.plan(synthetic_step(q_lens, ctx, runner.block_size, runner.device).attn)
+
+    assert FusedDecode.takes(plan([1, 1], [9, 30]), 2, glue)
+    assert not FusedDecode.takes(plan([1, 5], [9, 30]), 6, glue)  # a prompt chunk beside the decode
+    assert not FusedDecode.takes(plan([1, 1], [9, 30]), 2, None)  # the glue does not take the rows
+    runner.attn.decode_kernel._fn = None  # decodes by PyTorch's attention (its gathered groups)
+    assert not FusedDecode.takes(plan([1, 1], [9, 30]), 2, glue)
+
+
+def test_served_greedy_tokens_are_those_of_the_python_loop(q4_gguf: Path) -> None:
+    runner = _fused_runner(q4_gguf)
+    jobs = [Job("a", [1, 17, 25, 9, 33, 101, 64, 7, 20, 3, 45, 88], 12), Job("b", [5, 6, 7], 12, arrive_step=2),
+            Job("c", list(range(30, 70)), 10, arrive_step=4)]
+    calls = []
+    real_call = FusedDecode.__call__
+
+    def counted(self: FusedDecode, *args: object) -> None:
+        calls.append(args[0].shape[0])
+        real_call(self, *args)
+
+    with patch.object(FusedDecode, "__call__", counted):
+        fused = run_jobs(runner, jobs, num_blocks=96, budget=16)
+    assert calls and max(calls) == 3, calls  # decode steps of one to three rows went through it
+    fused_decode, runner.model.fused_decode = runner.model.fused_decode, None
+    try:
+        loop = run_jobs(runner, jobs, num_blocks=96, budget=16)
+    finally:
+        runner.model.fused_decode = fused_decode
+    assert fused.outputs == loop.outputs
+    assert all(len(loop.outputs[j.req_id]) == j.max_tokens for j in jobs)
+
+
+def test_where_it_is_off_the_log_says_why(q4_gguf: Path, checkpoint_root: Path, tmp_path: Path,
+                                         tiny_llama: Path) -> None:
+    runner = make_runner(tiny_llama, num_blocks=16)  # float32: no narrowing path, no glue
+    assert attach_fused_decode(runner.model, runner.attn) == "off (no layer glue)"
+    runner = _fused_runner(q4_gguf)
+    runner.model.fused_decode = None
+    with patch("evenflow.worker.models.fused_decode.load_cpp_sources", return_value=None):
+        assert attach_fused_decode(runner.model, runner.attn) == "off (the C++ library did not build)"
+    assert runner.model.fused_decode is None
+    runner.attn.decode_kernel._fn = None
+    assert attach_fused_decode(runner.model, runner.attn) == "off (decode attention is not the C++ kernel)"
+    # head_dim 16: a shape the decode kernel does not serve
+    small = write_gguf(make_checkpoint(checkpoint_root, seed=12, hidden_size=64, intermediate_size=128),
+                       tmp_path / "small-q4_1.gguf", gguf.GGMLQuantizationType.Q4_1)
+    runner = make_runner(small, num_blocks=16, quantization="gguf")
+    if runner.model.layer_glue is not None:
+        assert runner.model.fused_decode is None
+        assert attach_fused_decode(runner.model, runner.attn) == "off (decode attention is not the C++ kernel)"

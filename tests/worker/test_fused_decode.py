@@ -1,6 +1,6 @@
 """Every layer of a decode step in one C++ call (evenflow/worker/models/fused_decode.py): the same bits as the
 Python layer loop with the layer glue (logits and every K/V written), on blocks out of order, at 1 to 6
-rows and both thread counts; taken only for decode steps the glue and the decode kernel take; served
+rows, on the int4 kernel and on dense copies, at both thread counts; taken only for decode steps the glue and the decode kernel take; served
 greedy tokens unchanged; and where it is off, the start-up log says why."""
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ def q4_gguf(checkpoint_root: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def _fused_runner(model: Path, num_blocks: int = 96) -> ModelRunner:
     if not cpu_has_fast_path(torch.bfloat16):
         pytest.skip("4-bit weights compute in float32 on this CPU: the narrowing path, and the glue, are off")
-    runner = make_runner(model, num_blocks=num_blocks, block_size=16, quantization="gguf")
+    # Up to 6 rows on the int4 kernel, more on dense bfloat16 copies made at load.
+    with patch("evenflow.worker.models.llama.int4_plan", lambda *_: Int4Plan(6, torch.bfloat16, "test", True)):
+        runner = make_runner(model, num_blocks=num_blocks, block_size=16, quantization="gguf")
     if runner.model.fused_decode is None:
         pytest.skip("no C++ compiler for inductor's toolchain here")
-    runner.model.linear.plan = Int4Plan(6, torch.bfloat16, "test")  # up to 6 rows on the int4 kernel
+    assert runner.model.fused_decode.dense_copies
     return runner
 
 
@@ -58,9 +60,12 @@ def _shuffled(step: SyntheticStep, num_blocks: int, seed: int) -> SyntheticStep:
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("lens", [[40], [70, 33, 17], [200, 5, 64, 129, 31, 90]])
-def test_a_fused_step_gives_the_python_loops_bits(q4_gguf: Path, lens: list[int], threads: int) -> None:
+@pytest.mark.parametrize("kernel", ["int4", "dense copies"])
+def test_a_fused_step_gives_the_python_loops_bits(q4_gguf: Path, lens: list[int], threads: int, kernel: str) -> None:
     runner = _fused_runner(q4_gguf)
     model, fused = runner.model, runner.model.fused_decode
+    if kernel == "dense copies":
+        model.linear.plan = Int4Plan(0, torch.bfloat16, "test", True)  # every row count on the copies
     step = _shuffled(synthetic_step([1] * len(lens), lens, runner.block_size, runner.device), 96, len(lens))
     g = torch.Generator().manual_seed(len(lens))
     for k, v in runner.kv_caches:
@@ -69,7 +74,7 @@ def test_a_fused_step_gives_the_python_loops_bits(q4_gguf: Path, lens: list[int]
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     ids = torch.randint(0, 256, (len(lens),), generator=g)
     plan = runner.attn.plan(step.attn)
-    assert FusedDecode.takes(plan, len(lens), model.layer_glue)
+    assert fused.takes(plan, len(lens), model.layer_glue, model.linear)
 
     def forward(with_fused: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         for (k, v), (k0, v0) in zip(runner.kv_caches, before):
@@ -96,16 +101,22 @@ def test_a_fused_step_gives_the_python_loops_bits(q4_gguf: Path, lens: list[int]
 
 def test_taken_only_for_decode_steps_the_glue_and_the_kernel_take(q4_gguf: Path) -> None:
     runner = _fused_runner(q4_gguf)
-    glue = runner.model.layer_glue
+    model = runner.model
+    fused, glue = model.fused_decode, model.layer_glue
 
     def plan(q_lens: list[int], ctx: list[int]) -> object:
         return runner.attn.plan(synthetic_step(q_lens, ctx, runner.block_size, runner.device).attn)
 
-    assert FusedDecode.takes(plan([1, 1], [9, 30]), 2, glue)
-    assert not FusedDecode.takes(plan([1, 5], [9, 30]), 6, glue)  # a prompt chunk beside the decode
-    assert not FusedDecode.takes(plan([1, 1], [9, 30]), 2, None)  # the glue does not take the rows
+    assert fused.takes(plan([1, 1], [9, 30]), 2, glue, model.linear)
+    assert not fused.takes(plan([1, 5], [9, 30]), 6, glue, model.linear)  # a prompt chunk beside the decode
+    assert not fused.takes(plan([1, 1], [9, 30]), 2, None, model.linear)  # the glue does not take the rows
+    fused.dense_copies = False
+    model.linear.plan = Int4Plan(1, torch.bfloat16, "test")  # 2 rows on dense weights: the model keeps no copies
+    assert not fused.takes(plan([1, 1], [9, 30]), 2, glue, model.linear)
+    fused.dense_copies = True
+    assert fused.takes(plan([1, 1], [9, 30]), 2, glue, model.linear)
     runner.attn.decode_kernel._fn = None  # decodes by PyTorch's attention (its gathered groups)
-    assert not FusedDecode.takes(plan([1, 1], [9, 30]), 2, glue)
+    assert not fused.takes(plan([1, 1], [9, 30]), 2, glue, model.linear)
 
 
 def test_served_greedy_tokens_are_those_of_the_python_loop(q4_gguf: Path) -> None:

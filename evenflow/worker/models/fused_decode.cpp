@@ -1,18 +1,26 @@
 // Every layer of a decode step of few rows in one call: what models/llama.py's layer loop does on the
 // narrowing path with the C++ layer glue, with no Python between the ops. It is compiled after
 // layer_glue.cpp and attention/paged_decode.cpp in one translation unit (models/fused_decode.py joins the
-// three), whose loops it calls; the projections are torch's int4 kernel, called through ATen.
+// three), whose loops it calls; the projections are torch's int4 kernel, or oneDNN's linear on their dense
+// copies for more rows, as models/int4_linear.py picks them, called through ATen's dispatcher.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
 
 #include <cstring>
 #include <vector>
 
 namespace {
 
+// A projection: the int4 weight, its scales/zeros, and the dense bfloat16 copy in oneDNN's layout that
+// steps of more rows read (undefined where the model keeps none).
+struct Projection {
+  at::Tensor packed, scale_zeros, dense;
+};
+
 struct FusedLayer {
-  at::Tensor qkv, qkv_sz, o, o_sz, gate_up, gate_up_sz, down, down_sz;  // packed int4 and its scales/zeros
-  const float* input_scaled;  // RMSNorm weights * sqrt(hidden), float32
-  const float* post_scaled;
+  Projection qkv, o, gate_up, down;
+  at::Tensor input_scaled, post_scaled;  // RMSNorm weights * sqrt(hidden), float32
 };
 
 struct FusedModel {
@@ -25,65 +33,73 @@ std::vector<FusedModel> models;  // by handle; a worker registers its model once
 
 constexpr int64_t kGroup = 32;  // values per int4 scale/zero (Q4 blocks)
 
-// A view of a tensor the caller keeps alive (the model's weights).
-at::Tensor view_of(int64_t ptr, const int64_t* shape, int64_t dims, at::ScalarType dtype) {
-  return at::from_blob(reinterpret_cast<void*>(ptr), at::IntArrayRef(shape, dims), at::TensorOptions().dtype(dtype));
-}
-
 at::Tensor bf16_rows(int64_t rows, int64_t cols) {
   return at::empty({rows, cols}, at::TensorOptions().dtype(at::kBFloat16));
 }
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz) {
-  return at::_weight_int4pack_mm_for_cpu(x, w, kGroup, sz);
+// x @ w.T as models/int4_linear.py computes it at this row count: the int4 kernel, or oneDNN's linear on
+// the dense copy (PackedCpuLinear's call).
+at::Tensor project(const at::Tensor& x, const Projection& w, bool dense) {
+  if (!dense) return at::_weight_int4pack_mm_for_cpu(x, w.packed, kGroup, w.scale_zeros);
+  static auto linear = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                             c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                             std::optional<c10::string_view>)>();
+  return linear.call(x, w.dense, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+}
+
+// Registers a model; returns its handle. ``weights``: per layer, for qkv, o, gate_up and down, the packed
+// int4 weight, its scales/zeros and its dense copy (an empty tensor for none); ``norms``: per layer the two
+// scaled norm weights; ``shape``: hidden, heads, kv_heads, head_dim, intermediate.
+int64_t register_model(at::TensorList weights, at::TensorList norms, at::IntArrayRef shape, double eps_root) {
+  TORCH_CHECK(shape.size() == 5 && weights.size() == 12 * norms.size() / 2, "fused_decode: bad registration");
+  FusedModel m{{}, shape[0], shape[1], shape[2], shape[3], shape[4], float(eps_root)};
+  for (size_t l = 0; l < norms.size() / 2; ++l) {
+    Projection p[4];
+    for (int j = 0; j < 4; ++j) {
+      const at::Tensor& dense = weights[12 * l + 3 * j + 2];
+      p[j] = {weights[12 * l + 3 * j], weights[12 * l + 3 * j + 1], dense.numel() > 0 ? dense : at::Tensor()};
+    }
+    m.layers.push_back({p[0], p[1], p[2], p[3], norms[2 * l], norms[2 * l + 1]});
+  }
+  models.push_back(std::move(m));
+  return int64_t(models.size()) - 1;
+}
+
+// Drops a model's tensors (its FusedDecode is gone); the handle is not reused.
+void release_model(int64_t handle) { models.at(handle) = FusedModel{}; }
+
+TORCH_LIBRARY_FRAGMENT(evenflow_fused_decode, lib) {
+  lib.def("register_model(Tensor[] weights, Tensor[] norms, int[] shape, float eps_root) -> int", register_model);
+  lib.def("release_model(int handle) -> ()", release_model);
 }
 
 }  // namespace
 
 extern "C" {
 
-// Registers a model; returns its handle. Per layer, 8 tensors (qkv, its scales/zeros, o, ..., down's) as
-// (pointer, 3 dims) with dims[2] = 0 for a 2-D packed weight, and the two norms' scaled weights.
-int64_t fused_register(int64_t num_layers, const int64_t* ptrs, const int64_t* dims, const int64_t* norm_ptrs,
-                       int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
-                       float eps_root) {
-  FusedModel m{{}, hidden, heads, kv_heads, head_dim, inter, eps_root};
-  for (int64_t l = 0; l < num_layers; ++l) {
-    at::Tensor t[8];
-    for (int j = 0; j < 8; ++j) {
-      const int64_t* d = dims + (l * 8 + j) * 3;
-      const bool scales = j % 2 == 1;
-      t[j] = view_of(ptrs[l * 8 + j], d, scales ? 3 : 2, scales ? at::kBFloat16 : at::kByte);
-    }
-    m.layers.push_back({t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7],
-                        reinterpret_cast<const float*>(norm_ptrs[2 * l]),
-                        reinterpret_cast<const float*>(norm_ptrs[2 * l + 1])});
-  }
-  models.push_back(std::move(m));
-  return int64_t(models.size()) - 1;
-}
-
 // One decode step of ``rows`` requests through every layer. x [rows, hidden] float32 contiguous (the residual
 // stream, updated in place to the last layer's output), h0 [rows, hidden] bfloat16 (layer 0's normed input),
 // cos/sin [rows, head_dim] float32, slots [rows] int64 (where each row's K/V goes), table [rows, >= blocks]
 // int32 (row stride table_stride), lens [rows] int32, kv [2 * layers] the K and V caches of each layer
-// ([blocks, block_size, kv_heads, head_dim] bfloat16). Returns paged_decode_bf16's code (0: done).
+// ([blocks, block_size, kv_heads, head_dim] bfloat16); dense: the projections read their dense copies. Returns
+// paged_decode_bf16's code (0: done).
 int fused_decode_step(int64_t handle, float* x, const void* h0, const float* cos, const float* sin,
                       const int64_t* slots, const int32_t* table, int64_t table_stride, const int32_t* lens,
-                      const int64_t* kv, int64_t block_size, int64_t rows, float scale, int threads) {
+                      const int64_t* kv, int64_t block_size, int64_t rows, float scale, int threads, int dense) {
   const FusedModel& m = models[handle];
   const int64_t d = m.head_dim, qk_heads = m.heads + m.kv_heads, qk_end = qk_heads * d, kv_row = m.kv_heads * d;
-  at::Tensor h = view_of(reinterpret_cast<int64_t>(h0), std::vector<int64_t>{rows, m.hidden}.data(), 2,
-                         at::kBFloat16);
+  at::Tensor h = at::from_blob(const_cast<void*>(h0), {rows, m.hidden}, at::TensorOptions().dtype(at::kBFloat16));
   at::Tensor delta;
   for (size_t l = 0; l < m.layers.size(); ++l) {
     const FusedLayer& w = m.layers[l];
     if (l > 0) {
       h = bf16_rows(rows, m.hidden);
-      glue_add_norm(x, m.hidden, delta.data_ptr(), m.hidden, w.input_scaled, m.eps_root, h.data_ptr(), rows, m.hidden,
+      glue_add_norm(x, m.hidden, delta.data_ptr(), m.hidden, w.input_scaled.data_ptr<float>(), m.eps_root, h.data_ptr(), rows, m.hidden,
                     threads);
     }
-    const at::Tensor qkv = int4_mm(h, w.qkv, w.qkv_sz);
+    const at::Tensor qkv = project(h, w.qkv, dense);
     const int64_t qkv_stride = qkv.size(1);
     const at::Tensor qk = bf16_rows(rows, qk_end);
     glue_rotary(qkv.data_ptr(), qkv_stride, cos, sin, qk.data_ptr(), rows, qk_heads, d, threads);
@@ -99,14 +115,14 @@ int fused_decode_step(int64_t handle, float* x, const void* h0, const float* cos
     const int rc = paged_decode_bf16(qk_b, qk_end, k_cache, v_cache, table, table_stride, lens, o.data_ptr(),
                                      m.heads * d, rows, m.heads, m.kv_heads, d, block_size, scale, threads);
     if (rc) return rc;
-    delta = int4_mm(o, w.o, w.o_sz);
+    delta = project(o, w.o, dense);
     h = bf16_rows(rows, m.hidden);
-    glue_add_norm(x, m.hidden, delta.data_ptr(), m.hidden, w.post_scaled, m.eps_root, h.data_ptr(), rows, m.hidden,
+    glue_add_norm(x, m.hidden, delta.data_ptr(), m.hidden, w.post_scaled.data_ptr<float>(), m.eps_root, h.data_ptr(), rows, m.hidden,
                   threads);
-    const at::Tensor gu = int4_mm(h, w.gate_up, w.gate_up_sz);
+    const at::Tensor gu = project(h, w.gate_up, dense);
     const at::Tensor a = bf16_rows(rows, m.inter);
     glue_swiglu(gu.data_ptr(), gu.size(1), a.data_ptr(), rows, m.inter, threads);
-    delta = int4_mm(a, w.down, w.down_sz);
+    delta = project(a, w.down, dense);
   }
   const auto* db = static_cast<const bf16*>(delta.data_ptr());
   for (int64_t i = 0; i < rows * m.hidden; ++i) x[i] += float(db[i]);

@@ -1,14 +1,16 @@
 """Every layer of a few-row decode step in one C++ call, where the layer glue and the decode kernel run.
 
 With the layer glue (layer_glue.py) and the decode-attention kernel (attention/cpu_decode.py), a layer of a
-one-row step on the narrowing path is ten calls from Python: the add-norm, four int4 projections, the
-rotary, two K/V writes, the attention, the second add-norm and SwiGLU. At one row each call costs more
-in the interpreter and the dispatcher than in its loop. ``FusedDecode`` runs the whole layer loop in C++
-(fused_decode.cpp, compiled with the glue's and the kernel's sources in one library): the same loops, the
-int4 projections through ATen, so a step's layers give the same bits as the Python loop with the glue.
+one-row step on the narrowing path is ten calls from Python: the add-norm, four projections, the rotary,
+two K/V writes, the attention, the second add-norm and SwiGLU. At one row each call costs more in the
+interpreter and the dispatcher than in its loop. ``FusedDecode`` runs the whole layer loop in C++
+(fused_decode.cpp, compiled with the glue's and the kernel's sources in one library): the same loops and
+the same projection kernels (torch's int4 kernel, or oneDNN's linear on the dense copy where the plan
+reads it) through ATen's dispatcher, so a step's layers give the same bits as the Python loop with the glue.
 
-It takes a step when the glue would take it (every projection int4 in bfloat16 at its row count) and the
-step is decodes alone, all attended by the kernel: no prompt chunks, no LoRA, no layer groups.
+It takes a step when the glue would take it (every projection computes in bfloat16 at its row count), the
+step is decodes alone, all attended by the kernel (no prompt chunks, no LoRA, no layer groups), and its
+rows run on the int4 kernel or, up to ``EXACT_ROWS``, on dense copies the model keeps.
 """
 
 from __future__ import annotations
@@ -21,27 +23,31 @@ import torch
 from evenflow.worker.attention.cpu_decode import SOURCE as ATTENTION_SOURCE
 from evenflow.worker.attention.torch_paged import TorchAttentionPlan
 from evenflow.worker.cpp_kernels import load_cpp_sources
+from evenflow.worker.models.int4_linear import Int4CpuLinear
 from evenflow.worker.models.layer_glue import SOURCE as GLUE_SOURCE
 from evenflow.worker.models.layer_glue import LayerGlue
+from evenflow.worker.models.row_tiles import EXACT_ROWS
 
 if TYPE_CHECKING:
     from evenflow.worker.attention.base import KVCache
+    from evenflow.worker.models.linear import Linear
     from evenflow.worker.models.llama import LlamaModel
+    from evenflow.worker.models.q4_blocks import Int4Weight
 
 _SOURCE = Path(__file__).with_name("fused_decode.cpp")
 
 
 def _bind(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.fused_register.restype = i64
-    lib.fused_register.argtypes = [i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
     lib.fused_decode_step.restype = ctypes.c_int
     lib.fused_decode_step.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, ctypes.c_float,
-                                      ctypes.c_int]
+                                      ctypes.c_int, ctypes.c_int]
 
 
-def _int64s(values: list[int]) -> ctypes.Array:
-    return (ctypes.c_int64 * len(values))(*values)
+def _packed_copy(weight: Int4Weight) -> bool:
+    """Whether ``weight`` keeps a dense bfloat16 copy in oneDNN's layout (Int4CpuLinear's copy kernel reads it)."""
+    dense = weight.dense
+    return isinstance(dense, torch.Tensor) and dense.is_mkldnn and dense.dtype == torch.bfloat16
 
 
 class FusedDecode:
@@ -49,36 +55,42 @@ class FusedDecode:
 
     def __init__(self, lib: ctypes.CDLL, model: LlamaModel) -> None:
         self._step = lib.fused_decode_step
-        ptrs, dims, norms = [], [], []
-        for w, (in_scaled, post_scaled) in zip(model._linears, model._scaled_norms):
-            for p in (w.qkv, w.o, w.gate_up, w.down):
-                for t in (p.packed, p.scale_zeros):
-                    assert t.is_contiguous() and t.dim() in (2, 3)
-                    ptrs.append(t.data_ptr())
-                    dims.extend([*t.shape, 0][:3])
-            assert in_scaled.dtype == post_scaled.dtype == torch.float32
-            norms.extend([in_scaled.data_ptr(), post_scaled.data_ptr()])
-        # The C++ side keeps views of these: the model holds them as long as this object lives.
-        self._handle = lib.fused_register(len(model._linears), _int64s(ptrs), _int64s(dims), _int64s(norms),
-                                          model.cfg.hidden_size, model.num_heads, model.num_kv_heads,
-                                          model.cfg.head_dim, model.intermediate, float(model._eps_root))
+        projections = [p for w in model._linears for p in (w.qkv, w.o, w.gate_up, w.down)]
+        self.dense_copies = all(_packed_copy(p) for p in projections)
+        none = torch.empty(0, dtype=torch.bfloat16)
+        weights = [t for p in projections
+                   for t in (p.packed, p.scale_zeros, p.dense if self.dense_copies else none)]
+        norms = [n for pair in model._scaled_norms for n in pair]
+        assert all(t.is_contiguous() for t in weights + norms) and all(n.dtype == torch.float32 for n in norms)
+        cfg = model.cfg
+        self._handle = torch.ops.evenflow_fused_decode.register_model(
+            weights, norms, [cfg.hidden_size, model.num_heads, model.num_kv_heads, cfg.head_dim, model.intermediate],
+            float(model._eps_root))
+
+    def __del__(self) -> None:  # the registry holds the weights: release them with the model
+        if hasattr(self, "_handle"):
+            torch.ops.evenflow_fused_decode.release_model(self._handle)
 
     @classmethod
     def build(cls, model: LlamaModel) -> FusedDecode | None:
         lib = load_cpp_sources([GLUE_SOURCE, ATTENTION_SOURCE, _SOURCE], "the layers of few-row decode steps", _bind)
         return None if lib is None else cls(lib, model)
 
-    @staticmethod
-    def takes(plan: object, rows: int, glue: LayerGlue | None) -> bool:
+    def takes(self, plan: object, rows: int, glue: LayerGlue | None, linear: Linear | Int4CpuLinear) -> bool:
         """Whether a step of ``rows`` rows under attention ``plan`` is decodes alone, all by the C++ kernel,
-        and ``glue`` is the step's elementwise path (every projection int4 in bfloat16)."""
-        return (isinstance(glue, LayerGlue) and isinstance(plan, TorchAttentionPlan) and not plan.chunks
-                and not plan.decode_groups and plan.kernel_decodes is not None and plan.kernel_decodes.num == rows)
+        with ``glue`` as its elementwise path (every projection in bfloat16 under ``linear``, the model's
+        kernel), on the int4 kernel or on dense copies this model keeps."""
+        if not (isinstance(glue, LayerGlue) and isinstance(plan, TorchAttentionPlan) and not plan.chunks
+                and not plan.decode_groups and plan.kernel_decodes is not None and plan.kernel_decodes.num == rows):
+            return False
+        assert isinstance(linear, Int4CpuLinear)  # the glue takes no other kernel's steps
+        return linear.plan.takes_int4(rows) or (self.dense_copies and rows <= EXACT_ROWS)
 
     def __call__(self, x: torch.Tensor, h0: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_caches: list[KVCache], plan: TorchAttentionPlan, scale: float) -> None:
+                 kv_caches: list[KVCache], plan: TorchAttentionPlan, scale: float, dense: bool) -> None:
         """Every layer of a step ``takes`` accepted: ``x`` (the float32 residual stream, [rows, hidden]) is
-        left as the last layer's output; ``h0`` is layer 0's normed input in bfloat16."""
+        left as the last layer's output; ``h0`` is layer 0's normed input in bfloat16; ``dense``: the
+        projections read their dense copies (the plan's choice at this row count)."""
         rows, kd = x.shape[0], plan.kernel_decodes
         assert kd is not None and x.dtype == torch.float32 and x.is_contiguous()
         assert h0.dtype == torch.bfloat16 and h0.is_contiguous() and h0.shape == x.shape
@@ -87,10 +99,10 @@ class FusedDecode:
         assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == rows
         k0 = kv_caches[0][0]
         assert k0.dtype == torch.bfloat16 and all(c.is_contiguous() and c.shape == k0.shape for kv in kv_caches for c in kv)
-        kv_ptrs = _int64s([c.data_ptr() for kv in kv_caches for c in kv])
+        kv_ptrs = (ctypes.c_int64 * (2 * len(kv_caches)))(*(c.data_ptr() for kv in kv_caches for c in kv))
         rc = self._step(self._handle, x.data_ptr(), h0.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                         kd.block_table.data_ptr(), kd.block_table.stride(0), kd.seq_lens.data_ptr(), kv_ptrs,
-                        k0.shape[1], rows, scale, torch.get_num_threads())
+                        k0.shape[1], rows, scale, torch.get_num_threads(), int(dense))
         if rc:
             raise ValueError(f"fused decode: the attention kernel refused the heads (code {rc})")
 
@@ -105,5 +117,8 @@ def attach_fused_decode(model: LlamaModel, attn: object) -> str:
     kernel = getattr(attn, "decode_kernel", None)
     if kernel is None or not kernel.available:
         return "off (decode attention is not the C++ kernel)"
-    model.fused_decode = FusedDecode.build(model)
-    return "off (the C++ library did not build)" if model.fused_decode is None else "one C++ call a step"
+    model.fused_decode = fused = FusedDecode.build(model)
+    if fused is None:
+        return "off (the C++ library did not build)"
+    copies = f"and up to {EXACT_ROWS} on their dense copies" if fused.dense_copies else "(no dense copies kept)"
+    return f"one C++ call a step, for the rows the int4 kernel takes {copies}"

@@ -337,9 +337,10 @@ class LlamaModel(nn.Module):
         delta: torch.Tensor | None = None  # the last projection's output, added to x by the next norm
         n, cos, sin, ops = self._rows_view(x, cos_all, sin_all, lora)
         stack = zip(self.layers, self._linears, self._scaled_norms)
-        if self.fused_decode is not None and layered is None and FusedDecode.takes(attn_plan, n, ops):
+        fused = self.fused_decode
+        if fused is not None and layered is None and fused.takes(attn_plan, n, ops, linear):
             h0 = self._norm(x, self.layers[0].input_norm, self._scaled_norms[0][0], torch.bfloat16)
-            self.fused_decode(x, h0, cos, sin, kv_caches, attn_plan, attn.scale)  # every layer, in C++
+            fused(x, h0, cos, sin, kv_caches, attn_plan, attn.scale, not linear.plan.takes_int4(n))  # every layer
             stack = zip()
         for i, (layer, w, (in_scaled, post_scaled)) in enumerate(stack):
             if layered is not None and i in (layered.start, layered.end) and (i > 0 or layered.start > 0):

@@ -73,7 +73,8 @@ def format_table(rows: list[LatencyRow]) -> str:
              "per token end to end ms | outside the step ms | tok/s |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
         s = r.in_process
-        lines.append(f"| {r.mode} | {s.total_s * 1e3:.1f} | {s.split_total_s * 1e3:.1f} | {s.linear_s * 1e3:.1f} | {s.head_s * 1e3:.1f} | "
+        lines.append(f"| {r.mode} | {s.total_s * 1e3:.1f} | {s.split_total_s * 1e3:.1f} | {s.linear_s * 1e3:.1f} | "
+                     f"{s.head_s * 1e3:.1f} | "
                      f"{s.attention_s * 1e3:.1f} | {s.sampling_s * 1e3:.1f} | {s.rest_s * 1e3:.1f} | "
                      f"{r.end_to_end_s * 1e3:.1f} | "
                      f"{r.outside_step_s * 1e3:.1f} | {1 / r.end_to_end_s:.1f} |")

@@ -1,5 +1,6 @@
 """One decode step by op class: torch.profiler over synthetic decode steps, the attention backend,
-the LM head and the sampler each as a whole, every other top-level aten op put in a class by name
+the LM head, the sampler and the fused layer loop (models/fused_decode.py: every layer of a step it
+takes, its projections among them) each as a whole, every other top-level aten op put in a class by name
 (int4 linears, dense linears, norms, rotary, casts, elementwise, views), and the step's wall time
 less all of them as "Python and dispatch" (the interpreter between ops, and the C++ layer glue of
 models/layer_glue.py, whose ctypes calls are no aten ops: a label of its own, one ``record_function`` a
@@ -22,9 +23,9 @@ from evenflow.worker.runner import ModelRunner
 from evenflow.worker.sampling_metadata import SamplingMetadata
 from evenflow.worker.synthetic_steps import synthetic_step
 
-# The attention backend, the LM head and the sampler are labelled as a whole (record_function); every
-# other top-level aten op is put in a class by its name.
-LABELLED = ("attention", "LM head", "sampling")
+# The attention backend, the LM head, the sampler and the fused layer loop are labelled as a whole
+# (record_function); every other top-level aten op is put in a class by its name.
+LABELLED = ("attention", "LM head", "sampling", "fused layers")
 CLASSES: dict[str, tuple[str, ...]] = {
     "int4 linears": ("aten::_weight_int4pack_mm_for_cpu",),
     "dense linears": ("mkldnn::_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul"),
@@ -75,6 +76,7 @@ def op_split(runner: ModelRunner, batch: int, context: int, steps: int = 10) -> 
     class _Attention:
         forward = _Labelled(attn.forward, "attention")
         plan = attn.plan
+        scale = attn.scale
 
     def one() -> None:
         logits = model(step.input_ids, step.positions, caches, _Attention, attn.plan(step.attn), step.logits_indices,
@@ -85,6 +87,9 @@ def op_split(runner: ModelRunner, batch: int, context: int, steps: int = 10) -> 
         model.head_linear = _Labelled(head_kernel, "LM head")
     else:
         model._screened_head = _Labelled(screened, "LM head")
+    fused = model.fused_decode
+    if fused is not None:
+        model.fused_decode = _Labelled(fused, "fused layers")
     try:
         with torch.inference_mode():
             one()
@@ -95,7 +100,7 @@ def op_split(runner: ModelRunner, batch: int, context: int, steps: int = 10) -> 
                     one()
                 wall = time.perf_counter() - t0
     finally:
-        model.head_linear, model._screened_head = head_kernel, screened
+        model.head_linear, model._screened_head, model.fused_decode = head_kernel, screened, fused
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.cpu_parent is not None:

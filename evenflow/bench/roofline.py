@@ -13,7 +13,7 @@ runs the Python layer loop, and its parts are of that loop.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from evenflow.protocol import WorkerConfig
@@ -130,7 +130,7 @@ def profile_decode(runner: ModelRunner, batch: int, context: int, steps: int = 2
     meta = SamplingMetadata(num_reqs=batch, vocab_size=runner.vocab_size)
     kernel, head_kernel, screened = model.linear, model.head_linear, model._screened_head
     served: list[float] = []
-    records: list[StepSplit] = []
+    parts: list[tuple[float, float, float, float, float]] = []  # wrapped: total, linears, attention, sampling, head
 
     def one_step(attn: object, sampler: object) -> float:
         t0 = clock()
@@ -152,12 +152,11 @@ def profile_decode(runner: ModelRunner, batch: int, context: int, steps: int = 2
                 model.linear, model.head_linear, model._screened_head = kernel, head_kernel, screened
                 if i >= 2:
                     served.append(total)
-                    records.append(StepSplit(0.0, linear.seconds, attn.forward.seconds, sampler.seconds,
-                                             head.seconds, split_total))
+                    parts.append((split_total, linear.seconds, attn.forward.seconds, sampler.seconds, head.seconds))
     finally:
         model.linear, model.head_linear, model._screened_head = kernel, head_kernel, screened
-    records.sort(key=lambda r: r.split_total_s)
-    return replace(records[len(records) // 2], total_s=sorted(served)[len(served) // 2])
+    split_total, linear_s, attention_s, sampling_s, head_s = sorted(parts)[len(parts) // 2]
+    return StepSplit(sorted(served)[len(served) // 2], linear_s, attention_s, sampling_s, head_s, split_total)
 
 
 def roofline_row(model: str, mode: str, batch: int, context: int, bandwidth: float, threads: int,
@@ -185,6 +184,6 @@ def format_table(rows: list[RooflineRow]) -> str:
         s = r.split
         lines.append(f"| {r.model} | {r.mode} | {r.batch} | {r.context} | {r.weight_bytes / 1e6:.1f} | "
                      f"{r.kv_bytes / 1e6:.2f} | {r.roofline_s * 1e3:.2f} | {s.total_s * 1e3:.2f} | {r.ratio:.2f} | "
-                     f"{s.split_total_s * 1e3:.2f} | {s.linear_s * 1e3:.2f} | {s.attention_s * 1e3:.2f} | {s.sampling_s * 1e3:.2f} | "
-                     f"{s.rest_s * 1e3:.2f} | {s.head_s * 1e3:.2f} |")
+                     f"{s.split_total_s * 1e3:.2f} | {s.linear_s * 1e3:.2f} | {s.attention_s * 1e3:.2f} | "
+                     f"{s.sampling_s * 1e3:.2f} | {s.rest_s * 1e3:.2f} | {s.head_s * 1e3:.2f} |")
     return "\n".join(lines)

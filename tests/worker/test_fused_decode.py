@@ -1,7 +1,8 @@
 """Every layer of a decode step in one C++ call (evenflow/worker/models/fused_decode.py): the same bits as the
 Python layer loop with the layer glue (logits and every K/V written), on blocks out of order, at 1 to 6
-rows, on the int4 kernel and on dense copies, at both thread counts; taken only for decode steps the glue and the decode kernel take; served
-greedy tokens unchanged; and where it is off, the start-up log says why."""
+rows, on the int4 kernel and on dense copies, at both thread counts, on two shapes; taken only for decode
+steps the glue and the decode kernel take; served greedy tokens unchanged; a step the C++ refuses raises
+instead of writing outside the cache; and where it is off, the start-up log says why."""
 
 from __future__ import annotations
 
@@ -22,17 +23,27 @@ from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
 from tests.worker.harness import Job, greedy, make_runner, run_jobs
 
-# SmolLM2's head shape (head_dim 64, 3 query heads a KV head) at a size the tests run fast; every
-# projection fills the int4 kernel's 64-row tiles.
-SHAPE = dict(hidden_size=192, intermediate_size=192, num_hidden_layers=3, num_attention_heads=3,
-             num_key_value_heads=1, head_dim=64)
+# Shapes at a size the tests run fast, every projection filling the int4 kernel's 64-row tiles: SmolLM2's
+# heads (head_dim 64, 3 query heads a KV head), and one whose widths all differ (hidden, intermediate,
+# query and KV widths) so that a width read for another shows.
+SHAPES = {
+    "smollm2 heads": dict(hidden_size=192, intermediate_size=192, num_hidden_layers=3, num_attention_heads=3,
+                          num_key_value_heads=1, head_dim=64),
+    "distinct widths": dict(hidden_size=192, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64),
+}
 
 
 @pytest.fixture(scope="module")
-def q4_gguf(checkpoint_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def q4_ggufs(checkpoint_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("gguf-fused")
-    return write_gguf(make_checkpoint(checkpoint_root, seed=11, **SHAPE), out / "fused-q4_1.gguf",
-                      gguf.GGMLQuantizationType.Q4_1)
+    return {name: write_gguf(make_checkpoint(checkpoint_root, seed=11, **shape), out / f"fused-{i}-q4_1.gguf",
+                             gguf.GGMLQuantizationType.Q4_1) for i, (name, shape) in enumerate(SHAPES.items())}
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(q4_ggufs: dict[str, Path]) -> Path:
+    return q4_ggufs["smollm2 heads"]
 
 
 def _fused_runner(model: Path, num_blocks: int = 96) -> ModelRunner:
@@ -61,8 +72,10 @@ def _shuffled(step: SyntheticStep, num_blocks: int, seed: int) -> SyntheticStep:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("lens", [[40], [70, 33, 17], [200, 5, 64, 129, 31, 90]])
 @pytest.mark.parametrize("kernel", ["int4", "dense copies"])
-def test_a_fused_step_gives_the_python_loops_bits(q4_gguf: Path, lens: list[int], threads: int, kernel: str) -> None:
-    runner = _fused_runner(q4_gguf)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_fused_step_gives_the_python_loops_bits(q4_ggufs: dict[str, Path], shape: str, lens: list[int],
+                                                  threads: int, kernel: str) -> None:
+    runner = _fused_runner(q4_ggufs[shape])
     model, fused = runner.model, runner.model.fused_decode
     if kernel == "dense copies":
         model.linear.plan = Int4Plan(0, torch.bfloat16, "test", True)  # every row count on the copies
@@ -140,6 +153,27 @@ def test_served_greedy_tokens_are_those_of_the_python_loop(q4_gguf: Path) -> Non
         runner.model.fused_decode = fused_decode
     assert fused.outputs == loop.outputs
     assert all(len(loop.outputs[j.req_id]) == j.max_tokens for j in jobs)
+
+
+def test_a_slot_outside_the_cache_raises_and_writes_nothing(q4_gguf: Path) -> None:
+    runner = _fused_runner(q4_gguf)
+    model = runner.model
+    step = synthetic_step([1, 1], [20, 9], runner.block_size, runner.device)
+    blocks = runner.kv_caches[0][0].shape[0]
+    step.attn.slot_mapping[1] = blocks * runner.block_size  # one past the last slot
+    before = [c.clone() for kv in runner.kv_caches for c in kv]
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="outside the cache"):
+        model(torch.tensor([3, 4]), step.positions, runner.kv_caches, runner.attn, runner.attn.plan(step.attn),
+              step.logits_indices)
+    assert all(torch.equal(a, b) for a, b in zip(before, (c for kv in runner.kv_caches for c in kv)))
+
+
+def test_another_copy_of_the_library_is_not_used(q4_gguf: Path) -> None:
+    runner = _fused_runner(q4_gguf)
+    # Ops registered by a load this module did not make would reach that copy's models, not this one's.
+    with patch.object(FusedDecode, "_loaded_here", False), \
+            patch("evenflow.worker.models.fused_decode._ops_registered", return_value=True):
+        assert FusedDecode.build(runner.model) is None
 
 
 def test_where_it_is_off_the_log_says_why(q4_gguf: Path, checkpoint_root: Path, tmp_path: Path,

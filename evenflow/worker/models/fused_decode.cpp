@@ -8,6 +8,9 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <deque>
+#include <mutex>
+#include <string>
 #include <vector>
 
 namespace {
@@ -25,70 +28,81 @@ struct FusedLayer {
 
 struct FusedModel {
   std::vector<FusedLayer> layers;
-  int64_t hidden, heads, kv_heads, head_dim, inter;
+  int64_t hidden, heads, kv_heads, head_dim, inter, group;  // group: values per int4 scale/zero
   float eps_root;
 };
 
-std::vector<FusedModel> models;  // by handle; a worker registers its model once
+// By handle. A deque: registering another model (a test's second runner) moves no model a step reads.
+std::deque<FusedModel> models;
+std::mutex models_mutex;
 
-constexpr int64_t kGroup = 32;  // values per int4 scale/zero (Q4 blocks)
+using LinearPointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                   c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                   std::optional<c10::string_view>);
+
+// oneDNN's linear, the op PackedCpuLinear calls (resolved at registration: a torch that moved it fails there).
+const c10::TypedOperatorHandle<LinearPointwise>& linear_pointwise() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<LinearPointwise>();
+  return op;
+}
 
 at::Tensor bf16_rows(int64_t rows, int64_t cols) {
   return at::empty({rows, cols}, at::TensorOptions().dtype(at::kBFloat16));
 }
 
 // x @ w.T as models/int4_linear.py computes it at this row count: the int4 kernel, or oneDNN's linear on
-// the dense copy (PackedCpuLinear's call).
-at::Tensor project(const at::Tensor& x, const Projection& w, bool dense) {
-  if (!dense) return at::_weight_int4pack_mm_for_cpu(x, w.packed, kGroup, w.scale_zeros);
-  static auto linear = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                             c10::string_view, c10::List<std::optional<at::Scalar>>,
-                                             std::optional<c10::string_view>)>();
-  return linear.call(x, w.dense, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+// the dense copy.
+at::Tensor project(const at::Tensor& x, const Projection& w, bool dense, int64_t group) {
+  if (!dense) return at::_weight_int4pack_mm_for_cpu(x, w.packed, group, w.scale_zeros);
+  return linear_pointwise().call(x, w.dense, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
+                                 std::nullopt);
 }
 
 // Registers a model; returns its handle. ``weights``: per layer, for qkv, o, gate_up and down, the packed
 // int4 weight, its scales/zeros and its dense copy (an empty tensor for none); ``norms``: per layer the two
-// scaled norm weights; ``shape``: hidden, heads, kv_heads, head_dim, intermediate.
+// scaled norm weights (float32); ``shape``: hidden, heads, kv_heads, head_dim, intermediate, group.
 int64_t register_model(at::TensorList weights, at::TensorList norms, at::IntArrayRef shape, double eps_root) {
-  TORCH_CHECK(shape.size() == 5 && weights.size() == 12 * norms.size() / 2, "fused_decode: bad registration");
-  FusedModel m{{}, shape[0], shape[1], shape[2], shape[3], shape[4], float(eps_root)};
+  TORCH_CHECK(shape.size() == 6 && norms.size() % 2 == 0 && weights.size() == 6 * norms.size(),
+              "fused_decode: bad registration");
+  linear_pointwise();
+  FusedModel m{{}, shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], float(eps_root)};
   for (size_t l = 0; l < norms.size() / 2; ++l) {
     Projection p[4];
     for (int j = 0; j < 4; ++j) {
       const at::Tensor& dense = weights[12 * l + 3 * j + 2];
       p[j] = {weights[12 * l + 3 * j], weights[12 * l + 3 * j + 1], dense.numel() > 0 ? dense : at::Tensor()};
     }
+    TORCH_CHECK(norms[2 * l].scalar_type() == at::kFloat && norms[2 * l + 1].scalar_type() == at::kFloat);
     m.layers.push_back({p[0], p[1], p[2], p[3], norms[2 * l], norms[2 * l + 1]});
   }
+  std::lock_guard<std::mutex> lock(models_mutex);
   models.push_back(std::move(m));
   return int64_t(models.size()) - 1;
 }
 
 // Drops a model's tensors (its FusedDecode is gone); the handle is not reused.
-void release_model(int64_t handle) { models.at(handle) = FusedModel{}; }
+void release_model(int64_t handle) {
+  std::lock_guard<std::mutex> lock(models_mutex);
+  models.at(handle) = FusedModel{};
+}
 
 TORCH_LIBRARY_FRAGMENT(evenflow_fused_decode, lib) {
   lib.def("register_model(Tensor[] weights, Tensor[] norms, int[] shape, float eps_root) -> int", register_model);
   lib.def("release_model(int handle) -> ()", release_model);
 }
 
-}  // namespace
+thread_local std::string last_error;  // the message of the calling thread's last step that threw (returned -1)
 
-extern "C" {
-
-// One decode step of ``rows`` requests through every layer. x [rows, hidden] float32 contiguous (the residual
-// stream, updated in place to the last layer's output), h0 [rows, hidden] bfloat16 (layer 0's normed input),
-// cos/sin [rows, head_dim] float32, slots [rows] int64 (where each row's K/V goes), table [rows, >= blocks]
-// int32 (row stride table_stride), lens [rows] int32, kv [2 * layers] the K and V caches of each layer
-// ([blocks, block_size, kv_heads, head_dim] bfloat16); dense: the projections read their dense copies. Returns
-// paged_decode_bf16's code (0: done).
-int fused_decode_step(int64_t handle, float* x, const void* h0, const float* cos, const float* sin,
-                      const int64_t* slots, const int32_t* table, int64_t table_stride, const int32_t* lens,
-                      const int64_t* kv, int64_t block_size, int64_t rows, float scale, int threads, int dense) {
+int step(int64_t handle, float* x, const void* h0, const float* cos, const float* sin, const int64_t* slots,
+         int64_t num_slots, const int32_t* table, int64_t table_stride, const int32_t* lens, const int64_t* kv,
+         int64_t num_kv, int64_t block_size, int64_t rows, float scale, int threads, bool dense) {
+  TORCH_CHECK(handle >= 0 && handle < int64_t(models.size()), "fused_decode: no model ", handle);
   const FusedModel& m = models[handle];
+  TORCH_CHECK(!m.layers.empty() && num_kv == 2 * int64_t(m.layers.size()), "fused_decode: ", num_kv,
+              " caches for ", m.layers.size(), " layers");
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "fused_decode: slot ", slots[r], " outside the cache");
   const int64_t d = m.head_dim, qk_heads = m.heads + m.kv_heads, qk_end = qk_heads * d, kv_row = m.kv_heads * d;
   at::Tensor h = at::from_blob(const_cast<void*>(h0), {rows, m.hidden}, at::TensorOptions().dtype(at::kBFloat16));
   at::Tensor delta;
@@ -96,10 +110,10 @@ int fused_decode_step(int64_t handle, float* x, const void* h0, const float* cos
     const FusedLayer& w = m.layers[l];
     if (l > 0) {
       h = bf16_rows(rows, m.hidden);
-      glue_add_norm(x, m.hidden, delta.data_ptr(), m.hidden, w.input_scaled.data_ptr<float>(), m.eps_root, h.data_ptr(), rows, m.hidden,
-                    threads);
+      glue_add_norm(x, m.hidden, delta.data_ptr(), m.hidden, w.input_scaled.data_ptr<float>(), m.eps_root,
+                    h.data_ptr(), rows, m.hidden, threads);
     }
-    const at::Tensor qkv = project(h, w.qkv, dense);
+    const at::Tensor qkv = project(h, w.qkv, dense, m.group);
     const int64_t qkv_stride = qkv.size(1);
     const at::Tensor qk = bf16_rows(rows, qk_end);
     glue_rotary(qkv.data_ptr(), qkv_stride, cos, sin, qk.data_ptr(), rows, qk_heads, d, threads);
@@ -114,19 +128,44 @@ int fused_decode_step(int64_t handle, float* x, const void* h0, const float* cos
     const at::Tensor o = bf16_rows(rows, m.heads * d);
     const int rc = paged_decode_bf16(qk_b, qk_end, k_cache, v_cache, table, table_stride, lens, o.data_ptr(),
                                      m.heads * d, rows, m.heads, m.kv_heads, d, block_size, scale, threads);
-    if (rc) return rc;
-    delta = project(o, w.o, dense);
+    TORCH_CHECK(rc == 0, "fused_decode: the attention kernel refused the heads (code ", rc, ")");
+    delta = project(o, w.o, dense, m.group);
     h = bf16_rows(rows, m.hidden);
-    glue_add_norm(x, m.hidden, delta.data_ptr(), m.hidden, w.post_scaled.data_ptr<float>(), m.eps_root, h.data_ptr(), rows, m.hidden,
-                  threads);
-    const at::Tensor gu = project(h, w.gate_up, dense);
+    glue_add_norm(x, m.hidden, delta.data_ptr(), m.hidden, w.post_scaled.data_ptr<float>(), m.eps_root,
+                  h.data_ptr(), rows, m.hidden, threads);
+    const at::Tensor gu = project(h, w.gate_up, dense, m.group);
     const at::Tensor a = bf16_rows(rows, m.inter);
     glue_swiglu(gu.data_ptr(), gu.size(1), a.data_ptr(), rows, m.inter, threads);
-    delta = project(a, w.down, dense);
+    delta = project(a, w.down, dense, m.group);
   }
   const auto* db = static_cast<const bf16*>(delta.data_ptr());
   for (int64_t i = 0; i < rows * m.hidden; ++i) x[i] += float(db[i]);
   return 0;
 }
+
+}  // namespace
+
+extern "C" {
+
+// One decode step of ``rows`` requests through every layer. x [rows, hidden] float32 contiguous (the residual
+// stream, updated in place to the last layer's output), h0 [rows, hidden] bfloat16 (layer 0's normed input),
+// cos/sin [rows, head_dim] float32, slots [rows] int64 (where each row's K/V goes, below num_slots), table
+// [rows, >= blocks] int32 (row stride table_stride), lens [rows] int32, kv [num_kv] the K and V caches of each
+// layer ([blocks, block_size, kv_heads, head_dim] bfloat16); dense: the projections read their dense copies.
+// Returns 0, or -1 with fused_decode_error() saying why (an exception must not cross into ctypes).
+int fused_decode_step(int64_t handle, float* x, const void* h0, const float* cos, const float* sin,
+                      const int64_t* slots, int64_t num_slots, const int32_t* table, int64_t table_stride,
+                      const int32_t* lens, const int64_t* kv, int64_t num_kv, int64_t block_size, int64_t rows,
+                      float scale, int threads, int dense) {
+  try {
+    return step(handle, x, h0, cos, sin, slots, num_slots, table, table_stride, lens, kv, num_kv, block_size, rows,
+                scale, threads, dense != 0);
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return -1;
+  }
+}
+
+const char* fused_decode_error() { return last_error.c_str(); }
 
 }  // extern "C"

@@ -16,6 +16,7 @@ rows run on the int4 kernel or, up to ``EXACT_ROWS``, on dense copies the model 
 from __future__ import annotations
 
 import ctypes
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,58 +24,68 @@ import torch
 from evenflow.worker.attention.cpu_decode import SOURCE as ATTENTION_SOURCE
 from evenflow.worker.attention.torch_paged import TorchAttentionPlan
 from evenflow.worker.cpp_kernels import load_cpp_sources
-from evenflow.worker.models.int4_linear import Int4CpuLinear
+from evenflow.worker.models.int4_linear import Int4CpuLinear, packed_copy
 from evenflow.worker.models.layer_glue import SOURCE as GLUE_SOURCE
 from evenflow.worker.models.layer_glue import LayerGlue
+from evenflow.worker.models.q4_blocks import GROUP
 from evenflow.worker.models.row_tiles import EXACT_ROWS
 
 if TYPE_CHECKING:
     from evenflow.worker.attention.base import KVCache
     from evenflow.worker.models.linear import Linear
     from evenflow.worker.models.llama import LlamaModel
-    from evenflow.worker.models.q4_blocks import Int4Weight
 
-_SOURCE = Path(__file__).with_name("fused_decode.cpp")
+_SOURCES = [GLUE_SOURCE, ATTENTION_SOURCE, Path(__file__).with_name("fused_decode.cpp")]
 
 
 def _bind(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.fused_decode_step.restype = ctypes.c_int
-    lib.fused_decode_step.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, ctypes.c_float,
-                                      ctypes.c_int, ctypes.c_int]
+    lib.fused_decode_step.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64,
+                                      ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.fused_decode_error.restype = ctypes.c_char_p
 
 
-def _packed_copy(weight: Int4Weight) -> bool:
-    """Whether ``weight`` keeps a dense bfloat16 copy in oneDNN's layout (Int4CpuLinear's copy kernel reads it)."""
-    dense = weight.dense
-    return isinstance(dense, torch.Tensor) and dense.is_mkldnn and dense.dtype == torch.bfloat16
+def _ops_registered() -> bool:
+    """Whether this process already has the library's registration op (from a load ``build`` did not make)."""
+    try:
+        torch.ops.evenflow_fused_decode.register_model  # noqa: B018 (the lookup is the check)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 class FusedDecode:
     """The layer loop of one model's decode steps as one C++ call (``build``: None where it does not build)."""
 
+    _loaded_here = False  # whether this module's build loaded the library (and registered its ops)
+
     def __init__(self, lib: ctypes.CDLL, model: LlamaModel) -> None:
-        self._step = lib.fused_decode_step
+        self._step, self._error = lib.fused_decode_step, lib.fused_decode_error
+        self.num_layers = len(model._linears)
         projections = [p for w in model._linears for p in (w.qkv, w.o, w.gate_up, w.down)]
-        self.dense_copies = all(_packed_copy(p) for p in projections)
+        self.dense_copies = all(packed_copy(p, torch.bfloat16) for p in projections)
         none = torch.empty(0, dtype=torch.bfloat16)
         weights = [t for p in projections
                    for t in (p.packed, p.scale_zeros, p.dense if self.dense_copies else none)]
         norms = [n for pair in model._scaled_norms for n in pair]
-        assert all(t.is_contiguous() for t in weights + norms) and all(n.dtype == torch.float32 for n in norms)
+        assert all(t.is_contiguous() for t in weights + norms)
         cfg = model.cfg
-        self._handle = torch.ops.evenflow_fused_decode.register_model(
-            weights, norms, [cfg.hidden_size, model.num_heads, model.num_kv_heads, cfg.head_dim, model.intermediate],
-            float(model._eps_root))
-
-    def __del__(self) -> None:  # the registry holds the weights: release them with the model
-        if hasattr(self, "_handle"):
-            torch.ops.evenflow_fused_decode.release_model(self._handle)
+        shape = [cfg.hidden_size, model.num_heads, model.num_kv_heads, cfg.head_dim, model.intermediate, GROUP]
+        ops = torch.ops.evenflow_fused_decode
+        self._handle = ops.register_model(weights, norms, shape, float(model._eps_root))
+        # The library holds the weights: they go when this object does (not at interpreter exit, ops gone).
+        weakref.finalize(self, ops.release_model, self._handle).atexit = False
 
     @classmethod
     def build(cls, model: LlamaModel) -> FusedDecode | None:
-        lib = load_cpp_sources([GLUE_SOURCE, ATTENTION_SOURCE, _SOURCE], "the layers of few-row decode steps", _bind)
-        return None if lib is None else cls(lib, model)
+        if not cls._loaded_here and _ops_registered():  # another copy's ops would not reach this copy's models
+            return None
+        lib = load_cpp_sources(_SOURCES, "the layers of few-row decode steps", _bind)
+        if lib is None:
+            return None
+        cls._loaded_here = True
+        return cls(lib, model)
 
     def takes(self, plan: object, rows: int, glue: LayerGlue | None, linear: Linear | Int4CpuLinear) -> bool:
         """Whether a step of ``rows`` rows under attention ``plan`` is decodes alone, all by the C++ kernel,
@@ -87,10 +98,10 @@ class FusedDecode:
         return linear.plan.takes_int4(rows) or (self.dense_copies and rows <= EXACT_ROWS)
 
     def __call__(self, x: torch.Tensor, h0: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_caches: list[KVCache], plan: TorchAttentionPlan, scale: float, dense: bool) -> None:
+                 kv_caches: list[KVCache], plan: TorchAttentionPlan, scale: float, linear: Int4CpuLinear) -> None:
         """Every layer of a step ``takes`` accepted: ``x`` (the float32 residual stream, [rows, hidden]) is
-        left as the last layer's output; ``h0`` is layer 0's normed input in bfloat16; ``dense``: the
-        projections read their dense copies (the plan's choice at this row count)."""
+        left as the last layer's output; ``h0`` is layer 0's normed input in bfloat16; the projections run
+        on the kernel ``linear``'s plan gives the step's rows."""
         rows, kd = x.shape[0], plan.kernel_decodes
         assert kd is not None and x.dtype == torch.float32 and x.is_contiguous()
         assert h0.dtype == torch.bfloat16 and h0.is_contiguous() and h0.shape == x.shape
@@ -98,13 +109,14 @@ class FusedDecode:
         slots = plan.slot_mapping
         assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == rows
         k0 = kv_caches[0][0]
-        assert k0.dtype == torch.bfloat16 and all(c.is_contiguous() and c.shape == k0.shape for kv in kv_caches for c in kv)
-        kv_ptrs = (ctypes.c_int64 * (2 * len(kv_caches)))(*(c.data_ptr() for kv in kv_caches for c in kv))
+        assert k0.dtype == torch.bfloat16 and k0.is_contiguous() and len(kv_caches) == self.num_layers
+        kv_ptrs = (ctypes.c_int64 * (2 * self.num_layers))(*(c.data_ptr() for kv in kv_caches for c in kv))
         rc = self._step(self._handle, x.data_ptr(), h0.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                        kd.block_table.data_ptr(), kd.block_table.stride(0), kd.seq_lens.data_ptr(), kv_ptrs,
-                        k0.shape[1], rows, scale, torch.get_num_threads(), int(dense))
+                        k0.shape[0] * k0.shape[1], kd.block_table.data_ptr(), kd.block_table.stride(0),
+                        kd.seq_lens.data_ptr(), kv_ptrs, len(kv_ptrs), k0.shape[1], rows, scale,
+                        torch.get_num_threads(), int(not linear.plan.takes_int4(rows)))
         if rc:
-            raise ValueError(f"fused decode: the attention kernel refused the heads (code {rc})")
+            raise RuntimeError(self._error().decode(errors="replace"))
 
 
 def attach_fused_decode(model: LlamaModel, attn: object) -> str:

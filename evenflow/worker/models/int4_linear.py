@@ -112,7 +112,7 @@ class Int4CpuLinear:
         else:
             act = self.plan.dense_act_dtype
             dense = weight.dense
-            if isinstance(dense, torch.Tensor) and dense.is_mkldnn and dense.dtype == act:
+            if packed_copy(weight, act):
                 assert self._copy_kernel is not None  # a packed copy is made only by with_dense_copy
                 y = self._copy_kernel(x.to(act), dense).to(x.dtype)
             else:
@@ -144,6 +144,13 @@ class Int4CpuLinear:
         if buf is None:
             buf = self._scratch[key] = torch.empty(key[:2], dtype=key[2])
         return buf
+
+
+def packed_copy(weight: Int4Weight, dtype: torch.dtype) -> bool:
+    """Whether ``weight`` keeps a dense copy in ``dtype`` laid out for oneDNN (``packed_kernel``'s), which
+    many-row steps multiply by oneDNN's linear."""
+    dense = weight.dense
+    return isinstance(dense, torch.Tensor) and dense.is_mkldnn and dense.dtype == dtype
 
 
 @cache

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,6 @@ from evenflow.worker.layered_prefill import LayeredForward, layered_boundary
 from evenflow.worker.lora.pool import LoRAStep
 from evenflow.worker.models.compiled_ops import CompiledOps, swiglu
 from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan, int4_fits, int4_plan, layout_matches
-from evenflow.worker.models.fused_decode import FusedDecode
 from evenflow.worker.models.layer_glue import LayerGlue
 from evenflow.worker.models.layers import RotaryTable, apply_rotary, rms_norm, rms_norm_heads, rms_norm_narrowing
 from evenflow.worker.models.lm_head import ScreenedHead
@@ -31,6 +31,9 @@ from evenflow.worker.models.q4_blocks import Int4Weight, Q4Rows, concat_rows, pa
 from evenflow.worker.models.weight_specs import WeightSpec, llama_weight_specs
 from evenflow.worker.parallel import TensorParallel
 from torch import nn
+
+if TYPE_CHECKING:
+    from evenflow.worker.models.fused_decode import FusedDecode
 
 log = logging.getLogger("evenflow.worker.llama")
 
@@ -336,12 +339,11 @@ class LlamaModel(nn.Module):
         plan = attn_plan if layered is None or layered.start == 0 else layered.rest_plan
         delta: torch.Tensor | None = None  # the last projection's output, added to x by the next norm
         n, cos, sin, ops = self._rows_view(x, cos_all, sin_all, lora)
-        stack = zip(self.layers, self._linears, self._scaled_norms)
-        fused = self.fused_decode
-        if fused is not None and layered is None and fused.takes(attn_plan, n, ops, linear):
+        fused = self.fused_decode is not None and layered is None and self.fused_decode.takes(attn_plan, n, ops, linear)
+        if fused:  # every layer in one C++ call (models/fused_decode.py); the loop below runs none
             h0 = self._norm(x, self.layers[0].input_norm, self._scaled_norms[0][0], torch.bfloat16)
-            fused(x, h0, cos, sin, kv_caches, attn_plan, attn.scale, not linear.plan.takes_int4(n))  # every layer
-            stack = zip()
+            self.fused_decode(x, h0, cos, sin, kv_caches, attn_plan, attn.scale, linear)
+        stack = () if fused else zip(self.layers, self._linears, self._scaled_norms)
         for i, (layer, w, (in_scaled, post_scaled)) in enumerate(stack):
             if layered is not None and i in (layered.start, layered.end) and (i > 0 or layered.start > 0):
                 x, delta, plan = layered_boundary(i, x, delta, layered, attn_plan, num_rest)

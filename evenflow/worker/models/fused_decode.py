@@ -1,7 +1,7 @@
 """Every layer of a few-row decode step in one C++ call, where the layer glue and the decode kernel run.
 
 With the layer glue (layer_glue.py) and the decode-attention kernel (attention/cpu_decode.py), a layer of a
-one-row step on the narrowing path is ten calls from Python: the add-norm, four projections, the rotary,
+one-row step on the narrowing path is eleven calls from Python: the add-norm, four projections, the rotary,
 two K/V writes, the attention, the second add-norm and SwiGLU. At one row each call costs more in the
 interpreter and the dispatcher than in its loop. ``FusedDecode`` runs the whole layer loop in C++
 (fused_decode.cpp, compiled with the glue's and the kernel's sources in one library): the same loops and

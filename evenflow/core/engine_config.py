@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--target-itl-ms", type=_target_itl_ms, default=None,
       help="adaptive token budget: each step carries as much prefill as keeps the streams' p99 inter-token "
            "latency (step times fitted online) at this many ms; --max-num-batched-tokens becomes the upper "
-           "bound; 'auto': a target derived from the measured decode step (max(50 ms, 6x the decode step)); "
+           "bound; 'auto': a target derived from the measured decode step (max(50 ms, 8x the decode step)); "
            "0 or unset: off (the fixed budget)")
     a("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
       help="when > 1: most requests with a prefill chunk in one step (vLLM V0)")

@@ -55,7 +55,7 @@ def test_without_a_target_the_controller_derives_one_from_the_decode_steps() -> 
     machine = SyntheticMachine(fixed=30e-3, per_token=200e-6)  # a decode step of ~33 ms: 3x that, not the floor
     scheduler = scheduler_with_streams(auto_target_itl=True)
     decode_only, carried = [], []
-    for i in range(600):  # six long prompts: 18 steps that fill the aim, past the 16 that move it off its start
+    for i in range(1000):  # ten long prompts: more steps that fill the aim than the 16 that move it off its start
         if i % 100 == 50:  # decode-only spells between long prompts, as under an interference load
             add(scheduler, f"long-{i}", LONG_PROMPT)
         output, seconds = step(scheduler, machine.step_seconds)

@@ -8,16 +8,17 @@ inter-token latency at
 * The multiple sets how a step is shared: a step of k x the decode step leaves (k - 1) / k of it to
   prompt tokens, so a long prompt beside streams prefills at about (k - 1) / k of its unchunked rate
   (its first token about k / (k - 1) times later, plus what each chunk costs beyond its share, and
-  less the aim's margin below the target for the machine's noise). k = 6, from served runs on the
-  real model (docs/results/steadiness.md): at k = 4 the aim's margin (0.7-0.85 of the target on a
-  busy 2-core machine) and the decodes' share of a prefill step left a prompt 46-60% of each step,
-  and its first token came 1.6-2.1x later than unchunked; at k = 6, 1.2-1.45x, the streams' p99 on
-  the target. Against the fixed 2048-token budget on a 2-core Xeon (set 27): k = 4, 6, 9 started a
-  2048-token prompt 1.95-2.16x, 1.54-1.71x, 1.37-1.51x later and left a worst gap of 0.16-0.18x,
-  0.23-0.27x, 0.34-0.42x the fixed budget's: the larger k buys first tokens with stalls.
+  less the aim's margin below the target for the machine's noise), while the streams' longest gap is
+  about k decode steps where a fixed budget's is the long prompt's whole prefill. k = 8, from served
+  runs on the real model (docs/results/steadiness.md, set 69): beside the fixed 2048-token budget on a
+  2-core Xeon, k = 8 started a 2048-token prompt 1.24-1.44x later with a worst gap of 0.18-0.25x the
+  fixed budget's and the streams' p99 at 1.00-1.02x the target; k = 6 in the same set 1.52-1.90x later
+  (gaps 0.14-0.36x). (k = 6 had been chosen before every layer of a decode step ran as one C++ call,
+  which shortened the decode step by about a quarter and the prefill not at all: the same k then left
+  less room a step.) A larger k buys first tokens with stalls (set 27: k = 9 left gaps of 0.34-0.42x).
 * The floor is what a reader cannot tell apart: 50 ms a token is 20 tokens/s, faster than anyone
   reads a stream. A small model whose decode step is a few ms gets this floor, not 6x its step, and
-  its prompts chunks several times larger than 6x would allow.
+  its prompts chunks several times larger than 8x would allow.
 * The decode step is measured, not configured: a multiplicative median tracker over the measured
   decode-only steps (up or down by ``DECODE_STEP_TRACKING`` a step), so it follows a slower machine,
   more streams or longer contexts within a few hundred steps, and a rare slow step moves it by 0.5%.
@@ -28,7 +29,7 @@ inter-token latency at
 from __future__ import annotations
 
 AUTO_TARGET_FLOOR_S = 0.050
-AUTO_TARGET_DECODE_MULTIPLE = 6.0
+AUTO_TARGET_DECODE_MULTIPLE = 8.0
 DECODE_STEP_TRACKING = 0.005
 
 

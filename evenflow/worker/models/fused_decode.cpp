@@ -1,8 +1,9 @@
 // Every layer of a decode step of few rows in one call: what models/llama.py's layer loop does on the
 // narrowing path with the C++ layer glue, with no Python between the ops. It is compiled after
-// layer_glue.cpp and attention/paged_decode.cpp in one translation unit (models/fused_decode.py joins the
-// three), whose loops it calls; the projections are torch's int4 kernel, or oneDNN's linear on their dense
-// copies for more rows, as models/int4_linear.py picks them, called through ATen's dispatcher.
+// layer_glue.cpp, attention/paged_decode.cpp and int4_gemv.cpp in one translation unit (models/fused_decode.py
+// joins the four), whose loops it calls; the projections are evenflow's int4 GEMV (int4_gemv.cpp, in the same unit),
+// torch's int4 kernel, or oneDNN's linear on their dense copies for more rows, as models/int4_linear.py picks
+// them, torch's through ATen's dispatcher.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -51,10 +52,22 @@ at::Tensor bf16_rows(int64_t rows, int64_t cols) {
   return at::empty({rows, cols}, at::TensorOptions().dtype(at::kBFloat16));
 }
 
-// x @ w.T as models/int4_linear.py computes it at this row count: the int4 kernel, or oneDNN's linear on
-// the dense copy.
-at::Tensor project(const at::Tensor& x, const Projection& w, bool dense, int64_t group) {
-  if (!dense) return at::_weight_int4pack_mm_for_cpu(x, w.packed, group, w.scale_zeros);
+// Which kernel multiplies a step's projections (models/int4_linear.py's ``Int4CpuLinear.kernel``).
+enum Kernel { kTorchInt4 = 0, kDense = 1, kGemv = 2 };
+
+// x @ w.T as models/int4_linear.py computes it at this row count: torch's int4 kernel, evenflow's GEMV
+// (int4_gemv.cpp, compiled before this file), or oneDNN's linear on the dense copy.
+at::Tensor project(const at::Tensor& x, const Projection& w, Kernel kernel, int64_t group, int threads) {
+  if (kernel == kTorchInt4) return at::_weight_int4pack_mm_for_cpu(x, w.packed, group, w.scale_zeros);
+  if (kernel == kGemv) {
+    const int64_t n = w.scale_zeros.size(1);
+    at::Tensor y = bf16_rows(x.size(0), n);
+    const int rc = int4_gemv_bf16(static_cast<const uint16_t*>(x.data_ptr()), x.size(0), x.size(1),
+                                  w.packed.data_ptr<uint8_t>(), static_cast<const uint16_t*>(w.scale_zeros.data_ptr()),
+                                  n, static_cast<uint16_t*>(y.data_ptr()), threads);
+    TORCH_CHECK(rc == 0, "fused_decode: the int4 GEMV refused a ", n, "x", x.size(1), " weight");
+    return y;
+  }
   return linear_pointwise().call(x, w.dense, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
                                  std::nullopt);
 }
@@ -96,7 +109,7 @@ thread_local std::string last_error;  // the message of the calling thread's las
 
 int step(int64_t handle, float* x, const void* h0, const float* cos, const float* sin, const int64_t* slots,
          int64_t num_slots, const int32_t* table, int64_t table_stride, const int32_t* lens, const int64_t* kv,
-         int64_t num_kv, int64_t block_size, int64_t rows, float scale, int threads, bool dense) {
+         int64_t num_kv, int64_t block_size, int64_t rows, float scale, int threads, Kernel kernel) {
   TORCH_CHECK(handle >= 0 && handle < int64_t(models.size()), "fused_decode: no model ", handle);
   const FusedModel& m = models[handle];
   TORCH_CHECK(!m.layers.empty() && num_kv == 2 * int64_t(m.layers.size()), "fused_decode: ", num_kv,
@@ -113,7 +126,7 @@ int step(int64_t handle, float* x, const void* h0, const float* cos, const float
       glue_add_norm(x, m.hidden, delta.data_ptr(), m.hidden, w.input_scaled.data_ptr<float>(), m.eps_root,
                     h.data_ptr(), rows, m.hidden, threads);
     }
-    const at::Tensor qkv = project(h, w.qkv, dense, m.group);
+    const at::Tensor qkv = project(h, w.qkv, kernel, m.group, threads);
     const int64_t qkv_stride = qkv.size(1);
     const at::Tensor qk = bf16_rows(rows, qk_end);
     glue_rotary(qkv.data_ptr(), qkv_stride, cos, sin, qk.data_ptr(), rows, qk_heads, d, threads);
@@ -129,14 +142,14 @@ int step(int64_t handle, float* x, const void* h0, const float* cos, const float
     const int rc = paged_decode_bf16(qk_b, qk_end, k_cache, v_cache, table, table_stride, lens, o.data_ptr(),
                                      m.heads * d, rows, m.heads, m.kv_heads, d, block_size, scale, threads);
     TORCH_CHECK(rc == 0, "fused_decode: the attention kernel refused the heads (code ", rc, ")");
-    delta = project(o, w.o, dense, m.group);
+    delta = project(o, w.o, kernel, m.group, threads);
     h = bf16_rows(rows, m.hidden);
     glue_add_norm(x, m.hidden, delta.data_ptr(), m.hidden, w.post_scaled.data_ptr<float>(), m.eps_root,
                   h.data_ptr(), rows, m.hidden, threads);
-    const at::Tensor gu = project(h, w.gate_up, dense, m.group);
+    const at::Tensor gu = project(h, w.gate_up, kernel, m.group, threads);
     const at::Tensor a = bf16_rows(rows, m.inter);
     glue_swiglu(gu.data_ptr(), gu.size(1), a.data_ptr(), rows, m.inter, threads);
-    delta = project(a, w.down, dense, m.group);
+    delta = project(a, w.down, kernel, m.group, threads);
   }
   const auto* db = static_cast<const bf16*>(delta.data_ptr());
   for (int64_t i = 0; i < rows * m.hidden; ++i) x[i] += float(db[i]);
@@ -151,15 +164,16 @@ extern "C" {
 // stream, updated in place to the last layer's output), h0 [rows, hidden] bfloat16 (layer 0's normed input),
 // cos/sin [rows, head_dim] float32, slots [rows] int64 (where each row's K/V goes, below num_slots), table
 // [rows, >= blocks] int32 (row stride table_stride), lens [rows] int32, kv [num_kv] the K and V caches of each
-// layer ([blocks, block_size, kv_heads, head_dim] bfloat16); dense: the projections read their dense copies.
+// layer ([blocks, block_size, kv_heads, head_dim] bfloat16); kernel: what multiplies the projections (``Kernel``).
 // Returns 0, or -1 with fused_decode_error() saying why (an exception must not cross into ctypes).
 int fused_decode_step(int64_t handle, float* x, const void* h0, const float* cos, const float* sin,
                       const int64_t* slots, int64_t num_slots, const int32_t* table, int64_t table_stride,
                       const int32_t* lens, const int64_t* kv, int64_t num_kv, int64_t block_size, int64_t rows,
-                      float scale, int threads, int dense) {
+                      float scale, int threads, int kernel) {
   try {
+    TORCH_CHECK(kernel >= kTorchInt4 && kernel <= kGemv, "fused_decode: no kernel ", kernel);
     return step(handle, x, h0, cos, sin, slots, num_slots, table, table_stride, lens, kv, num_kv, block_size, rows,
-                scale, threads, dense != 0);
+                scale, threads, static_cast<Kernel>(kernel));
   } catch (const std::exception& e) {
     last_error = e.what();
     return -1;

@@ -4,9 +4,10 @@ With the layer glue (layer_glue.py) and the decode-attention kernel (attention/c
 one-row step on the narrowing path is eleven calls from Python: the add-norm, four projections, the rotary,
 two K/V writes, the attention, the second add-norm and SwiGLU. At one row each call costs more in the
 interpreter and the dispatcher than in its loop. ``FusedDecode`` runs the whole layer loop in C++
-(fused_decode.cpp, compiled with the glue's and the kernel's sources in one library): the same loops and
-the same projection kernels (torch's int4 kernel, or oneDNN's linear on the dense copy where the plan
-reads it) through ATen's dispatcher, so a step's layers give the same bits as the Python loop with the glue.
+(fused_decode.cpp, compiled with the glue's, the attention kernel's and the int4 GEMV's sources in one
+library): the same loops and the same projection kernels (evenflow's int4 GEMV, torch's int4 kernel through
+ATen's dispatcher, or oneDNN's linear on the dense copy, as the plan picks them for the step's rows), so a
+step's layers give the same bits as the Python loop with the glue.
 
 It takes a step when the glue would take it (every projection computes in bfloat16 at its row count), the
 step is decodes alone, all attended by the kernel (no prompt chunks, no LoRA, no layer groups), and its
@@ -24,6 +25,7 @@ import torch
 from evenflow.worker.attention.cpu_decode import SOURCE as ATTENTION_SOURCE
 from evenflow.worker.attention.torch_paged import TorchAttentionPlan
 from evenflow.worker.cpp_kernels import load_cpp_sources
+from evenflow.worker.models.int4_gemv import SOURCE as GEMV_SOURCE
 from evenflow.worker.models.int4_linear import Int4CpuLinear, packed_copy
 from evenflow.worker.models.layer_glue import SOURCE as GLUE_SOURCE
 from evenflow.worker.models.layer_glue import LayerGlue
@@ -35,7 +37,8 @@ if TYPE_CHECKING:
     from evenflow.worker.models.linear import Linear
     from evenflow.worker.models.llama import LlamaModel
 
-_SOURCES = [GLUE_SOURCE, ATTENTION_SOURCE, Path(__file__).with_name("fused_decode.cpp")]
+_SOURCES = [GLUE_SOURCE, ATTENTION_SOURCE, GEMV_SOURCE, Path(__file__).with_name("fused_decode.cpp")]
+_KERNELS = {"int4": 0, "dense": 1, "gemv": 2}  # fused_decode.cpp's Kernel
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -114,7 +117,7 @@ class FusedDecode:
         rc = self._step(self._handle, x.data_ptr(), h0.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                         k0.shape[0] * k0.shape[1], kd.block_table.data_ptr(), kd.block_table.stride(0),
                         kd.seq_lens.data_ptr(), kv_ptrs, len(kv_ptrs), k0.shape[1], rows, scale,
-                        torch.get_num_threads(), int(not linear.plan.takes_int4(rows)))
+                        torch.get_num_threads(), _KERNELS[linear.kernel(rows)])
         if rc:
             raise RuntimeError(self._error().decode(errors="replace"))
 

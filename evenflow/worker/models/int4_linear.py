@@ -28,11 +28,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cache
+from typing import Literal
 
 import psutil
 import torch
 import torch.nn.functional as F
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_fp16
+from evenflow.worker.models.int4_gemv import load_int4_gemv
 from evenflow.worker.models.linear import Linear, PackedCpuLinear, pick_linear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack, pack_tile_rows
 from evenflow.worker.models.row_tiles import in_row_tiles
@@ -62,6 +64,11 @@ class Int4Plan:
     dense_dtype: torch.dtype  # float16: FBGEMM's float16-weight GEMM on a copy (models/fp16_gemm.py)
     reason: str
     dense_copy: bool = False  # many-row steps read a dense copy made at load instead of dequantizing
+    max_gemv_rows: int = 0  # of the int4 rows, those evenflow's GEMV takes (models/int4_gemv.py), not torch's
+
+    def takes_gemv(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows runs on evenflow's int4 GEMV (else torch's int4 kernel or dense)."""
+        return rows <= self.max_gemv_rows
 
     def takes_int4(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows runs on the int4 kernel (else on the dense path)."""
@@ -102,11 +109,14 @@ class Int4CpuLinear:
         if type(weight) is not Int4Weight:
             want = self.dense.act_dtype(weight, x.shape[0])
             return self.dense(x if x.dtype == want else x.to(want), weight, bias)
-        if self.plan.takes_int4(x.shape[0]):
-            if x.dtype == torch.bfloat16:  # the model's usual call (act_dtype): no casts, ~3 us less a call
-                y = _INT4_MM(x, weight.packed, GROUP, weight.scale_zeros)
+        kernel = self.kernel(x.shape[0])
+        if kernel != "dense":
+            xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # the model's calls are bfloat16
+            if kernel == "gemv":
+                y = load_int4_gemv()(xb, weight)  # type: ignore[misc]  (kernel() saw it load)
             else:
-                y = _INT4_MM(x.to(torch.bfloat16), weight.packed, GROUP, weight.scale_zeros).to(x.dtype)
+                y = _INT4_MM(xb, weight.packed, GROUP, weight.scale_zeros)
+            y = y if x.dtype == torch.bfloat16 else y.to(x.dtype)
         elif self.plan.dense_dtype == torch.float16 and isinstance(weight.dense, torch.ScriptObject):
             y = fp16_linear(x.float(), weight.dense).to(x.dtype)
         else:
@@ -121,6 +131,12 @@ class Int4CpuLinear:
                 # oneDNN (bfloat16) keeps a primitive per row count: bounded by row_tiles.
                 y = in_row_tiles(lambda rows: F.linear(rows, dense), x.to(act)).to(x.dtype)
         return y if bias is None else y + bias
+
+    def kernel(self, rows: int) -> Literal["gemv", "int4", "dense"]:
+        """What multiplies a 4-bit weight at ``rows`` rows: evenflow's GEMV, torch's int4 kernel, or the dense path."""
+        if not self.plan.takes_int4(rows):
+            return "dense"
+        return "gemv" if self.plan.takes_gemv(rows) and load_int4_gemv() is not None else "int4"
 
     def step_nbytes(self, weight: Int4Weight, rows: int) -> int:
         """Bytes of ``weight`` a step of ``rows`` rows reads: the 4-bit weight, or the dense copy it reads."""
@@ -252,15 +268,24 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
         from_fp16 = _from_memory(dense[torch.float32], fp16=True) if fp16_fits else None
 
         copies = [f for f in (from_copy, from_fp16) if f is not None]
+        gemv = load_int4_gemv()
         probes: list[tuple[int, float, float, float, float]] = []  # rows, int4, dequantized, copy, fp16 (s)
+        gemv_wins: list[int] = []  # rows at which evenflow's GEMV beat torch's int4 kernel
+        gemv_detail: dict[int, tuple[float, float]] = {}  # rows: torch's int4 kernel, the GEMV (s)
         for rows in _PROBE_ROWS:
             x = big[:rows]
-            xd = x.to(dense_dtype)
+            xd, xb = x.to(dense_dtype), x.bfloat16()
             int4_s, matmul_s, *copy_s = time_min([
-                lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), weight.packed, GROUP,
-                                                                   weight.scale_zeros),
+                lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, weight.packed, GROUP, weight.scale_zeros),
                 lambda: F.linear(xd, dense[dense_dtype]),
-            ] + [lambda f=f: f(x if f is from_fp16 else xd) for f in copies])
+            ] + [lambda f=f: f(x if f is from_fp16 else xd) for f in copies]
+              + ([lambda: gemv(xb, weight)] if gemv is not None else []))
+            if gemv is not None:
+                *copy_s, gemv_s = copy_s
+                gemv_detail[rows] = (int4_s, gemv_s)
+                if gemv_s < int4_s:
+                    gemv_wins.append(rows)
+                    int4_s = gemv_s
             timed = dict(zip(copies, copy_s))
             probes.append((rows, int4_s, dequant_s[dense_dtype] + matmul_s, timed.get(from_copy, float("inf")),
                            timed.get(from_fp16, float("inf"))))
@@ -269,7 +294,8 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
         f32_one = time_min([lambda: f32_kept(big[:1])])[0]
         timed_copy = from_copy is not None
     name = str(dense_dtype)[6:]
-    detail = "; ".join(f"{rows}: int4 {i * 1e3:.3f} / dequant+{name} {d * 1e3:.3f}"
+    detail = "; ".join((f"{rows}: int4 {gemv_detail[rows][0] * 1e3:.3f} / GEMV {gemv_detail[rows][1] * 1e3:.3f}"
+                        if gemv_detail else f"{rows}: int4 {i * 1e3:.3f}") + f" / dequant+{name} {d * 1e3:.3f}"
                        + (f" / {name} copy {c * 1e3:.3f}" if timed_copy else "")
                        + (f" / float16 copy {h * 1e3:.3f}" if from_fp16 else "") + " ms" for rows, i, d, c, h in probes)
     if probes[0][1] >= min(f32_one, probes[0][2]):
@@ -283,8 +309,12 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
     many = (f"a {name} copy above ({copy_bytes / 2**30:.2f} GiB)" if use_copy
             else f"dequantized {name} above" + ("" if copy_fits or not copy_params else
                                                 f" (a {copy_bytes / 2**30:.2f} GiB copy would not fit)"))
+    # The GEMV for the rows up to the first probe torch's kernel won: rows between probes are like their neighbours.
+    gemv_rows = next((rows for rows in _PROBE_ROWS if rows not in gemv_wins), _PROBE_ROWS[-1] + 1)
+    max_gemv = min(max_rows, max((rows for rows in gemv_wins if rows < gemv_rows), default=0))
     up_to = f"int4 up to {max_rows} row{'s' if max_rows > 1 else ''}"
-    return Int4Plan(max_rows, dense_dtype, f"{up_to}, {many}, on {n}x{k} ({detail})", use_copy)
+    gemv_part = f" (evenflow's GEMV up to {max_gemv})" if max_gemv else ""
+    return Int4Plan(max_rows, dense_dtype, f"{up_to}{gemv_part}, {many}, on {n}x{k} ({detail})", use_copy, max_gemv)
 
 
 _PLANS: dict[tuple[tuple[int, int], bool, int], Int4Plan] = {}

@@ -1,0 +1,78 @@
+"""evenflow's int4 GEMV (models/int4_gemv.py): the float32 product of the dequantized weight, rounded once to
+bfloat16; the same bits on any thread count; taken by ``Int4CpuLinear`` for the rows its plan gives it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from evenflow.worker.models.int4_gemv import Int4Gemv, load_int4_gemv
+from evenflow.worker.models.int4_linear import _INT4_MM, Int4CpuLinear, Int4Plan, measure_int4_plan
+from evenflow.worker.models.linear import TorchLinear
+from evenflow.worker.models.q4_blocks import GROUP, Int4Weight, Q4Rows, pack
+
+
+@pytest.fixture(scope="module")
+def gemv() -> Int4Gemv:
+    kernel = load_int4_gemv()
+    if kernel is None:
+        pytest.skip("evenflow's int4 GEMV does not run here (no AVX-512 BF16 or VBMI, or no compiler)")
+    return kernel
+
+
+def _weight(n: int, k: int, seed: int) -> tuple[Int4Weight, torch.Tensor]:
+    """A 4-bit weight with scales and zeros of both signs, and its values in float64."""
+    g = torch.Generator().manual_seed(seed)
+    weight = pack(Q4Rows(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
+                         torch.rand(n, k // GROUP, generator=g) * 0.05, torch.randn(n, k // GROUP, generator=g) * 0.05))
+    return weight, weight.dequantize(torch.empty(n, k)).double()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("shape", [(64, 32), (128, 576), (960, 576), (576, 1536)])
+def test_products_are_the_float32_products_rounded_to_bfloat16(gemv: Int4Gemv, shape: tuple[int, int],
+                                                                rows: int) -> None:
+    n, k = shape
+    weight, values = _weight(n, k, seed=n + k + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    exact = x.double() @ values.T
+    got = gemv(x, weight)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # bfloat16's rounding (2^-9 of the value, twice for slack) and float32's sums (a small share of the terms' size)
+    bound = exact.abs() * 2**-8 + 1e-5 * (x.double().abs() @ values.abs().T)
+    assert ((got.double() - exact).abs() <= bound).all()
+    # torch's kernel computes the same product, to the last bit or so
+    torch_int4 = _INT4_MM(x, weight.packed, GROUP, weight.scale_zeros).double()
+    assert ((torch_int4 - exact).abs() <= bound).all()
+
+
+def test_the_bits_do_not_depend_on_the_thread_count(gemv: Int4Gemv) -> None:
+    weight, _ = _weight(960, 576, seed=3)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    prior = torch.get_num_threads()
+    try:
+        products = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            products.append(gemv(x, weight))
+    finally:
+        torch.set_num_threads(prior)
+    assert all(torch.equal(products[0], p) for p in products[1:])
+
+
+def test_the_linear_takes_it_for_the_rows_its_plan_gives_it(gemv: Int4Gemv) -> None:
+    weight, _ = _weight(128, 576, seed=5)
+    linear = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.bfloat16, "test", max_gemv_rows=4))
+    assert [linear.kernel(rows) for rows in (1, 4, 5, 8, 9)] == ["gemv", "gemv", "int4", "int4", "dense"]
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(6)).bfloat16()
+    assert torch.equal(linear(x[:3], weight), gemv(x[:3], weight))
+    assert torch.equal(linear(x[:6], weight), _INT4_MM(x[:6], weight.packed, GROUP, weight.scale_zeros))
+    # float32 rows are cast to bfloat16 for it and back
+    assert torch.equal(linear(x[:2].float(), weight), gemv(x[:2], weight).float())
+
+
+def test_the_plan_gives_it_rows_only_where_it_beat_torchs_kernel(gemv: Int4Gemv) -> None:
+    plan = measure_int4_plan((960, 576), bf16_fast=True)
+    assert "GEMV" in plan.reason
+    assert plan.max_gemv_rows <= plan.max_int4_rows
+    without = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.bfloat16, "test"))
+    assert without.kernel(1) == "int4"  # a plan that never measured it never takes it

@@ -52,7 +52,7 @@ def test_the_derived_target_is_the_floor_or_a_multiple_of_the_decode_step() -> N
 
 
 def test_without_a_target_the_controller_derives_one_from_the_decode_steps() -> None:
-    machine = SyntheticMachine(fixed=30e-3, per_token=200e-6)  # a decode step of ~33 ms: 3x that, not the floor
+    machine = SyntheticMachine(fixed=30e-3, per_token=200e-6)  # a decode step of ~33 ms: 8x that, not the floor
     scheduler = scheduler_with_streams(auto_target_itl=True)
     decode_only, carried = [], []
     for i in range(1000):  # ten long prompts: more steps that fill the aim than the 16 that move it off its start

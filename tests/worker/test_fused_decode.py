@@ -1,6 +1,6 @@
 """Every layer of a decode step in one C++ call (evenflow/worker/models/fused_decode.py): the same bits as the
 Python layer loop with the layer glue (logits and every K/V written), on blocks out of order, at 1 to 6
-rows, on the int4 kernel and on dense copies, at both thread counts, on two shapes; taken only for decode
+rows, on torch's int4 kernel, evenflow's int4 GEMV and dense copies, at both thread counts, on two shapes; taken only for decode
 steps the glue and the decode kernel take; served greedy tokens unchanged; a step the C++ refuses raises
 instead of writing outside the cache; and where it is off, the start-up log says why."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from evenflow.worker.models.int4_gemv import Int4Gemv, load_int4_gemv
+from evenflow.worker.models.int4_gemv import Int4Gemv, gemv_rows, load_int4_gemv
 from evenflow.worker.models.int4_linear import _INT4_MM, Int4CpuLinear, Int4Plan, measure_int4_plan
 from evenflow.worker.models.linear import TorchLinear
 from evenflow.worker.models.q4_blocks import GROUP, Int4Weight, Q4Rows, pack
@@ -70,9 +70,24 @@ def test_the_linear_takes_it_for_the_rows_its_plan_gives_it(gemv: Int4Gemv) -> N
     assert torch.equal(linear(x[:2].float(), weight), gemv(x[:2], weight).float())
 
 
-def test_the_plan_gives_it_rows_only_where_it_beat_torchs_kernel(gemv: Int4Gemv) -> None:
+def test_it_takes_the_rows_up_to_the_first_count_torchs_kernel_won() -> None:
+    won, lost = (2.0, 1.0), (1.0, 2.0)  # (torch's seconds, the GEMV's)
+    assert gemv_rows({1: won, 2: won, 4: lost, 8: won}) == 2  # a later win is not taken
+    assert gemv_rows({4: won, 1: won, 2: won}) == 4  # by row count, not by the order measured
+    assert gemv_rows({1: lost, 2: won}) == 0 and gemv_rows({}) == 0
+    assert gemv_rows({1: (1.0, 1.0)}) == 0  # a tie keeps torch's kernel
+
+
+def test_the_plan_gives_it_the_measured_rows_and_counts_its_time_there(gemv: Int4Gemv) -> None:
     plan = measure_int4_plan((960, 576), bf16_fast=True)
-    assert "GEMV" in plan.reason
-    assert plan.max_gemv_rows <= plan.max_int4_rows
+    assert "GEMV" in plan.reason and plan.max_gemv_rows <= plan.max_int4_rows
+    assert (f"(evenflow's GEMV up to {plan.max_gemv_rows})" in plan.reason) == (plan.max_gemv_rows > 0)
     without = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.bfloat16, "test"))
     assert without.kernel(1) == "int4"  # a plan that never measured it never takes it
+
+
+def test_no_rows_give_no_products(gemv: Int4Gemv) -> None:
+    weight, _ = _weight(128, 64, seed=7)
+    assert gemv(torch.empty(0, 64, dtype=torch.bfloat16), weight).shape == (0, 128)
+    linear = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.bfloat16, "test", max_gemv_rows=4))
+    assert linear.kernel(0) == "int4"

@@ -13,6 +13,7 @@ import pytest
 import torch
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works
 from evenflow.worker.models.linear import TorchLinear, cpu_has_fast_path
+from evenflow.worker.models.int4_gemv import load_int4_gemv
 from evenflow.worker.models.lm_head import SCREEN_TOP, ScreenedHead
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
@@ -72,7 +73,9 @@ def test_int4_model_serves_the_screened_head_and_float32_keeps_the_dense_one(che
 @pytest.mark.parametrize("kind", HEAD_KINDS)
 @pytest.mark.parametrize("rows", [1, 5, 130])
 @pytest.mark.parametrize("spread", [0.2, 1e-3])  # 1e-3: logits far closer than the 4-bit error, all suspects
-def test_the_greedy_screen_keeps_float32s_argmax_and_its_value(rows: int, spread: float, kind: str) -> None:
+@pytest.mark.parametrize("screen_kernel", ["torch int4", "gemv"])
+def test_the_greedy_screen_keeps_float32s_argmax_and_its_value(rows: int, spread: float, kind: str,
+                                                               screen_kernel: str) -> None:
     g = torch.Generator().manual_seed(rows)
     base = torch.randn(1, 96, generator=g) * 0.2
     table = base + torch.randn(3000, 96, generator=g) * spread  # 3000: not whole 64-row tiles
@@ -80,6 +83,9 @@ def test_the_greedy_screen_keeps_float32s_argmax_and_its_value(rows: int, spread
     reference = x.double() @ table.double().t()
     head = head_of(table, kind)
     assert head.int4 is not None and head.step_nbytes(rows, greedy=True) == head.int4.weight.nbytes
+    if screen_kernel == "gemv" and load_int4_gemv() is None:
+        pytest.skip("evenflow's int4 GEMV does not run on this CPU")
+    head.int4.gemv_rows = rows if screen_kernel == "gemv" else 0  # whatever the start-up timing chose
     got = head(x, greedy=True)
     assert got.dtype == torch.float32 and got.shape == (rows, 3000)
     assert torch.equal(got.argmax(1), reference.argmax(1))

@@ -17,7 +17,7 @@ inter-token latency at
   which shortened the decode step by about a quarter and the prefill not at all: the same k then left
   less room a step.) A larger k buys first tokens with stalls (set 27: k = 9 left gaps of 0.34-0.42x).
 * The floor is what a reader cannot tell apart: 50 ms a token is 20 tokens/s, faster than anyone
-  reads a stream. A small model whose decode step is a few ms gets this floor, not 6x its step, and
+  reads a stream. A small model whose decode step is a few ms gets this floor, not 8x its step, and
   its prompts chunks several times larger than 8x would allow.
 * The decode step is measured, not configured: a multiplicative median tracker over the measured
   decode-only steps (up or down by ``DECODE_STEP_TRACKING`` a step), so it follows a slower machine,

@@ -60,6 +60,7 @@ enum Kernel { kTorchInt4 = 0, kDense = 1, kGemv = 2 };
 at::Tensor project(const at::Tensor& x, const Projection& w, Kernel kernel, int64_t group, int threads) {
   if (kernel == kTorchInt4) return at::_weight_int4pack_mm_for_cpu(x, w.packed, group, w.scale_zeros);
   if (kernel == kGemv) {
+    TORCH_CHECK(group == 32, "fused_decode: the int4 GEMV reads groups of 32, not ", group);
     const int64_t n = w.scale_zeros.size(1);
     at::Tensor y = bf16_rows(x.size(0), n);
     const int rc = int4_gemv_bf16(static_cast<const uint16_t*>(x.data_ptr()), x.size(0), x.size(1),

@@ -8,11 +8,17 @@
 // 0x4300 into each half makes the bfloat16 number 128 + q exactly, so one VDPBF16PS adds
 // x[kk] * (128 + q[kk]) + x[kk+1] * (128 + q[kk+1]) for 16 rows in float32. Per group of 32 columns,
 // sum(x * value) = scale * dot + (zero - 136 * scale) * sum(x), sum(x) taken once per row of x.
-#include <immintrin.h>
-
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+// Compilers that know the instructions (GCC 11 and clang 12 name avx512bf16 in target attributes and
+// __builtin_cpu_supports); elsewhere the kernel refuses every call and torch's int4 kernel serves, and the
+// library it is part of (models/fused_decode.py's) still builds.
+#if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#define EVENFLOW_INT4_GEMV 1
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -20,6 +26,7 @@ constexpr int64_t kGemvGroup = 32;  // columns per scale/zero
 constexpr int64_t kGemvTile = 64;   // rows per packed tile
 constexpr int kGemvMaxRows = 4;     // rows of x that share one unpacking of the weight
 
+#ifdef EVENFLOW_INT4_GEMV
 // Row sums of x per group, in float32 (the bfloat16 values are exact in it).
 void group_sums(const uint16_t* x, int64_t rows, int64_t k, float* out) {
   for (int64_t r = 0; r < rows; ++r)
@@ -106,14 +113,19 @@ bool int4_gemv_supported() {
                          __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
   return ok;
 }
+#else
+bool int4_gemv_supported() { return false; }
+#endif
 
-// y [rows, n] = x [rows, k] @ W.T, all bfloat16 row-major; 0, or -1 where the CPU or the shape is not one
-// this kernel takes (n a multiple of 64, k of 32). The rows of W are split between ``threads``; each output
+// y [rows, n] = x [rows, k] @ W.T, all bfloat16 row-major; 0, or -1 where the CPU (or the compiler) or the
+// shape is not one this kernel takes (n a multiple of 64, k of 32). The rows of W are split between ``threads``; each output
 // is computed by one thread in one order, so the result does not depend on the thread count (it does on how
 // many rows of x are multiplied at once: a row alone sums in two accumulators a lane, blocks of rows in one).
 int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* packed, const uint16_t* scale_zeros,
                    int64_t n, uint16_t* y, int threads) {
-  if (!int4_gemv_supported() || rows < 1 || k % kGemvGroup || n % kGemvTile) return -1;
+  if (rows == 0) return 0;
+  if (!int4_gemv_supported() || rows < 0 || k % kGemvGroup || n % kGemvTile) return -1;
+#ifdef EVENFLOW_INT4_GEMV
   std::vector<float> sums(rows * (k / kGemvGroup));
   group_sums(x, rows, k, sums.data());
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -131,6 +143,7 @@ int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* pa
       }
     }
   }
+#endif
   return 0;
 }
 

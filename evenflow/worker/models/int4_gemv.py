@@ -9,8 +9,9 @@ values: the same bfloat16 activations, float32 sums, a bfloat16 result.
 
 Its sums run in another order than torch's, so its bits differ from torch's in the last place of some
 outputs; the Python layer loop and the fused one (models/fused_decode.py) call the same kernel for the same
-rows, and give the same bits. It runs for the rows up to the int4 plan's ``max_gemv_rows`` (measured
-against torch's kernel at start-up, models/int4_linear.py), where the CPU has the instructions, torch packs
+rows, and give the same bits. It runs for the projections' rows up to the int4 plan's ``max_gemv_rows``
+and the LM head's 4-bit screen's up to its ``gemv_rows`` (each measured against torch's kernel at start-up
+by ``gemv_rows``: models/int4_linear.py, models/lm_head.py), where the CPU has the instructions, torch packs
 64-row tiles, the library builds, and it agrees with torch's kernel on a probe weight.
 """
 
@@ -66,6 +67,20 @@ def _agrees(gemv: Int4Gemv) -> bool:
     want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, GROUP, weight.scale_zeros).float()
     got = gemv(x, weight).float()
     return bool(torch.allclose(got, want, rtol=2 ** -6, atol=1e-3))
+
+
+def gemv_rows(timings: dict[int, tuple[float, float]]) -> int:
+    """The most rows evenflow's GEMV takes, from (torch's int4 kernel, the GEMV) seconds at each probe row
+    count: the largest count of the run of probes, from the first, at which the GEMV was faster (0: it lost
+    at the first). A count between two probes it won goes to it; from the first it lost on, torch's kernel
+    takes every count, a later win being the noise of one trial more likely than a kernel that wins again."""
+    best = 0
+    for rows in sorted(timings):
+        torch_s, gemv_s = timings[rows]
+        if gemv_s >= torch_s:
+            break
+        best = rows
+    return best
 
 
 @cache

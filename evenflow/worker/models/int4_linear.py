@@ -34,7 +34,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_fp16
-from evenflow.worker.models.int4_gemv import load_int4_gemv
+from evenflow.worker.models.int4_gemv import gemv_rows, load_int4_gemv
 from evenflow.worker.models.linear import Linear, PackedCpuLinear, pick_linear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack, pack_tile_rows
 from evenflow.worker.models.row_tiles import in_row_tiles
@@ -68,7 +68,7 @@ class Int4Plan:
 
     def takes_gemv(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows runs on evenflow's int4 GEMV (else torch's int4 kernel or dense)."""
-        return rows <= self.max_gemv_rows
+        return 0 < rows <= self.max_gemv_rows
 
     def takes_int4(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows runs on the int4 kernel (else on the dense path)."""
@@ -270,7 +270,6 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
         copies = [f for f in (from_copy, from_fp16) if f is not None]
         gemv = load_int4_gemv()
         probes: list[tuple[int, float, float, float, float]] = []  # rows, int4, dequantized, copy, fp16 (s)
-        gemv_wins: list[int] = []  # rows at which evenflow's GEMV beat torch's int4 kernel
         gemv_detail: dict[int, tuple[float, float]] = {}  # rows: torch's int4 kernel, the GEMV (s)
         for rows in _PROBE_ROWS:
             x = big[:rows]
@@ -283,9 +282,6 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
             if gemv is not None:
                 *copy_s, gemv_s = copy_s
                 gemv_detail[rows] = (int4_s, gemv_s)
-                if gemv_s < int4_s:
-                    gemv_wins.append(rows)
-                    int4_s = gemv_s
             timed = dict(zip(copies, copy_s))
             probes.append((rows, int4_s, dequant_s[dense_dtype] + matmul_s, timed.get(from_copy, float("inf")),
                            timed.get(from_fp16, float("inf"))))
@@ -293,6 +289,8 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
         f32_kept = from_copy if from_copy and dense_dtype == torch.float32 else _from_memory(dense[torch.float32])
         f32_one = time_min([lambda: f32_kept(big[:1])])[0]
         timed_copy = from_copy is not None
+    max_gemv = gemv_rows(gemv_detail)
+    probes = [(rows, gemv_detail[rows][1] if rows <= max_gemv else i, *rest) for rows, i, *rest in probes]
     name = str(dense_dtype)[6:]
     detail = "; ".join((f"{rows}: int4 {gemv_detail[rows][0] * 1e3:.3f} / GEMV {gemv_detail[rows][1] * 1e3:.3f}"
                         if gemv_detail else f"{rows}: int4 {i * 1e3:.3f}") + f" / dequant+{name} {d * 1e3:.3f}"
@@ -309,9 +307,7 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
     many = (f"a {name} copy above ({copy_bytes / 2**30:.2f} GiB)" if use_copy
             else f"dequantized {name} above" + ("" if copy_fits or not copy_params else
                                                 f" (a {copy_bytes / 2**30:.2f} GiB copy would not fit)"))
-    # The GEMV for the rows up to the first probe torch's kernel won: rows between probes are like their neighbours.
-    gemv_rows = next((rows for rows in _PROBE_ROWS if rows not in gemv_wins), _PROBE_ROWS[-1] + 1)
-    max_gemv = min(max_rows, max((rows for rows in gemv_wins if rows < gemv_rows), default=0))
+    max_gemv = min(max_gemv, max_rows)
     up_to = f"int4 up to {max_rows} row{'s' if max_rows > 1 else ''}"
     gemv_part = f" (evenflow's GEMV up to {max_gemv})" if max_gemv else ""
     return Int4Plan(max_rows, dense_dtype, f"{up_to}{gemv_part}, {many}, on {n}x{k} ({detail})", use_copy, max_gemv)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_fp16
-from evenflow.worker.models.int4_gemv import load_int4_gemv
+from evenflow.worker.models.int4_gemv import gemv_rows, load_int4_gemv
 from evenflow.worker.models.int4_linear import on_every_core, time_min
 from evenflow.worker.models.linear import Linear, PackedCpuLinear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack
@@ -46,10 +46,10 @@ SCREEN_TOP = 64  # float32 logits per row: more than the 20 top logprobs a reque
 _ROWS_PER_GATHER = 64  # rows whose SCREEN_TOP table rows are gathered at once (64 x 64 x hidden floats)
 _GREEDY_SIGMAS = 10.0  # see the module docstring
 _INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
-# Rows up to which the 4-bit screen runs on evenflow's GEMV (models/int4_gemv.py) rather than torch's kernel:
-# on SmolLM2's 49152 x 576 table (2-core Xeon with AMX, ad hoc) it took 0.58x torch's time at one row,
-# 0.84x at two, 1.02x at four.
-GEMV_HEAD_ROWS = 2
+# Row counts at which the 4-bit screen times evenflow's GEMV (models/int4_gemv.py) against torch's kernel at
+# start-up (on SmolLM2's 49152 x 576 table on a 2-core Xeon with AMX, ad hoc: 0.58x torch's time at one
+# row, 0.84x at two, 1.02x at four).
+_GEMV_PROBE_ROWS = (1, 2, 4)
 
 
 class ScreenedHead:
@@ -192,14 +192,29 @@ class Int4Screen:
         q = ((groups - zero.unsqueeze(-1)) / scale.unsqueeze(-1) + 8).round().clamp(0, 15)
         values = (q - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
         self.weight: Int4Weight = pack(Q4Rows(q.to(torch.uint8).view(rows, hidden), scale, zero))
+        self.gemv_rows = self._measured_gemv_rows()  # rows up to which the GEMV computes the screen
         # Per row, the RMS of its rounding error: a logit's error has standard deviation |x| * this.
         self.row_error = (groups - values)[:vocab].pow(2).mean((1, 2)).sqrt().unsqueeze(0)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 screen logits [rows, vocab], each row's |x| [rows, 1])."""
         w, xb, gemv = self.weight, x.to(torch.bfloat16), load_int4_gemv()
-        if gemv is not None and x.shape[0] <= GEMV_HEAD_ROWS:
+        if gemv is not None and 0 < x.shape[0] <= self.gemv_rows:
             logits = gemv(xb, w)[:, : self.vocab].float()
         else:
             logits = _INT4_MM(xb, w.packed, GROUP, w.scale_zeros)[:, : self.vocab].float()
         return logits, x.norm(dim=1, keepdim=True)
+
+    def _measured_gemv_rows(self) -> int:
+        """``gemv_rows`` of the GEMV against torch's kernel on this table (0: no GEMV here)."""
+        gemv = load_int4_gemv()
+        if gemv is None:
+            return 0
+        w, g = self.weight, torch.Generator().manual_seed(0)
+        timings = {}
+        with on_every_core(), torch.inference_mode():
+            for rows in _GEMV_PROBE_ROWS:
+                x = torch.randn(rows, w.in_features, generator=g).bfloat16()
+                timings[rows] = tuple(time_min([lambda: _INT4_MM(x, w.packed, GROUP, w.scale_zeros),
+                                                lambda: gemv(x, w)]))
+        return gemv_rows(timings)

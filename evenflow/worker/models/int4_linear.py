@@ -43,7 +43,7 @@ from evenflow.worker.threads import usable_cores
 log = logging.getLogger("evenflow.worker.int4")
 
 # Row counts the start-up measurement tries (decode batches up to chunked prefills).
-_PROBE_ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
+_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # The overload itself: calling it skips the overload resolution of torch.ops.aten.<name>(...). A torch
 # without the kernel fails layout_matches(), so no Int4CpuLinear is built there.
 _INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)

@@ -118,9 +118,10 @@ bool int4_gemv_supported() { return false; }
 #endif
 
 // y [rows, n] = x [rows, k] @ W.T, all bfloat16 row-major; 0, or -1 where the CPU (or the compiler) or the
-// shape is not one this kernel takes (n a multiple of 64, k of 32). The rows of W are split between ``threads``; each output
-// is computed by one thread in one order, so the result does not depend on the thread count (it does on how
-// many rows of x are multiplied at once: a row alone sums in two accumulators a lane, blocks of rows in one).
+// shape is not one this kernel takes (n a multiple of 64, k of 32). The tiles of W are split between
+// ``threads``; each output is computed by one thread in one order, so the result does not depend on the
+// thread count (it does on how many rows of x are multiplied at once: a row alone sums in two accumulators
+// a lane, blocks of rows in one).
 int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* packed, const uint16_t* scale_zeros,
                    int64_t n, uint16_t* y, int threads) {
   if (rows == 0) return 0;

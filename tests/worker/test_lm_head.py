@@ -11,7 +11,9 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from evenflow.worker.models import lm_head
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works
+from evenflow.worker.models.greedy_screen import load_greedy_screen
 from evenflow.worker.models.linear import TorchLinear, cpu_has_fast_path
 from evenflow.worker.models.int4_gemv import load_int4_gemv
 from evenflow.worker.models.lm_head import SCREEN_TOP, ScreenedHead
@@ -74,8 +76,14 @@ def test_int4_model_serves_the_screened_head_and_float32_keeps_the_dense_one(che
 @pytest.mark.parametrize("rows", [1, 5, 130])
 @pytest.mark.parametrize("spread", [0.2, 1e-3])  # 1e-3: logits far closer than the 4-bit error, all suspects
 @pytest.mark.parametrize("screen_kernel", ["torch int4", "gemv"])
+@pytest.mark.parametrize("finish", ["C++", "PyTorch"])
 def test_the_greedy_screen_keeps_float32s_argmax_and_its_value(rows: int, spread: float, kind: str,
-                                                               screen_kernel: str) -> None:
+                                                               screen_kernel: str, finish: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    if finish == "PyTorch":
+        monkeypatch.setattr(lm_head, "load_greedy_screen", lambda: None)
+    elif load_greedy_screen() is None:
+        pytest.skip("no C++ compiler for inductor's toolchain here")
     g = torch.Generator().manual_seed(rows)
     base = torch.randn(1, 96, generator=g) * 0.2
     table = base + torch.randn(3000, 96, generator=g) * spread  # 3000: not whole 64-row tiles

@@ -18,7 +18,8 @@ recomputed in float32 (the argmax is at least that value), and so is every token
 lies within ``_GREEDY_SIGMAS`` of its own error scale of it. That scale, ``|x| * rms(table row - 4-bit
 row)``, is the standard deviation of the row's rounding error against ``x``; over 7M real SmolLM2
 logits the worst error was 4.9 of it, so a token left at its screen value would have to be off by
-twice that to win.
+twice that to win. After the 4-bit product, that recompute is one C++ pass a row where it builds
+(models/greedy_screen.py: ~8 PyTorch ops over the vocabulary before).
 
 Used where the projections are int4. The bfloat16 screen only where the CPU has native bfloat16
 (oneDNN-packed bf16 GEMV, 2.3x faster than float32 at one row on a Xeon with AMX); elsewhere (AVX2)
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import torch
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_fp16
+from evenflow.worker.models.greedy_screen import load_greedy_screen
 from evenflow.worker.models.int4_gemv import gemv_rows, load_int4_gemv
 from evenflow.worker.models.int4_linear import on_every_core, time_min
 from evenflow.worker.models.linear import Linear, PackedCpuLinear
@@ -149,7 +151,10 @@ class ScreenedHead:
 
     def _greedy(self, x: torch.Tensor) -> torch.Tensor:
         # No top-k here (0.2 ms at 49k logits): the screen's leader recomputed gives a floor the argmax
-        # reaches, and every token that may reach it is recomputed too.
+        # reaches, and every token that may reach it is recomputed too; in one C++ pass where it builds.
+        finish = load_greedy_screen()
+        if finish is not None:
+            return finish(self.int4.bf16_logits(x), x, self.table, self.int4.row_error, _GREEDY_SIGMAS)
         logits, norm = self.int4(x)
         lead = logits.argmax(1, keepdim=True)
         floor = torch.bmm(self.table.index_select(0, lead.view(-1)).unsqueeze(1), x.unsqueeze(-1)).view(-1, 1)
@@ -198,12 +203,14 @@ class Int4Screen:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 screen logits [rows, vocab], each row's |x| [rows, 1])."""
+        return self.bf16_logits(x)[:, : self.vocab].float(), x.norm(dim=1, keepdim=True)
+
+    def bf16_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The screen's product [rows, vocab padded to 64] in bfloat16, by the GEMV up to ``gemv_rows``."""
         w, xb, gemv = self.weight, x.to(torch.bfloat16), load_int4_gemv()
         if gemv is not None and 0 < x.shape[0] <= self.gemv_rows:
-            logits = gemv(xb, w)[:, : self.vocab].float()
-        else:
-            logits = _INT4_MM(xb, w.packed, GROUP, w.scale_zeros)[:, : self.vocab].float()
-        return logits, x.norm(dim=1, keepdim=True)
+            return gemv(xb, w)
+        return _INT4_MM(xb, w.packed, GROUP, w.scale_zeros)
 
     def _measured_gemv_rows(self) -> int:
         """``gemv_rows`` of the GEMV against torch's kernel on this table (0: no GEMV here)."""

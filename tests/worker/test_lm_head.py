@@ -159,3 +159,30 @@ def test_the_4bit_screens_rows_are_the_heads_own_crossover(monkeypatch: pytest.M
     assert head.measured_int4_rows(1) == 1 and head.measured_int4_rows(0) == 0
     head.int4 = None
     assert head.measured_int4_rows(8) == 0
+
+
+def test_the_cpp_pass_computes_what_the_pytorch_ops_do() -> None:
+    """The C++ recompute against the fallback's ops on a screen of known error, at a width (100) whose dot
+    products have a tail past the 16-wide part, with the screen padded past the vocabulary."""
+    finish = load_greedy_screen()
+    if finish is None:
+        pytest.skip("no C++ compiler for inductor's toolchain here")
+    g = torch.Generator().manual_seed(3)
+    vocab, hidden, rows = 300, 100, 3
+    table, x = torch.randn(vocab, hidden, generator=g), torch.randn(rows, hidden, generator=g)
+    exact = x @ table.t()
+    screen = torch.zeros(rows, 320, dtype=torch.bfloat16)
+    screen[:, :vocab] = (exact + torch.randn(rows, vocab, generator=g)).bfloat16()
+    row_error = torch.full((1, vocab), 0.05)
+    got = finish(screen, x, table, row_error, 10.0)
+    logits = screen[:, :vocab].float()
+    lead = logits.argmax(1)
+    floor = (table[lead] * x).sum(1, keepdim=True)
+    reach = logits + 10.0 * x.norm(dim=1, keepdim=True) * row_error
+    want = torch.where(reach >= floor, exact, logits)
+    want[torch.arange(rows), lead] = floor.squeeze(1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(1), exact.argmax(1))
+    with pytest.raises(ValueError):
+        finish(screen[:2], x, table, row_error, 10.0)  # rows that do not match
+

@@ -46,14 +46,16 @@ int greedy_screen(const uint16_t* screen, int64_t screen_stride, int64_t rows, i
     const float margin = sigmas * std::sqrt(row_dot(xr, xr, hidden));
     int64_t lead = 0;
     float best = -std::numeric_limits<float>::infinity();
-    for (int64_t v = 0; v < vocab; ++v) {  // the first of equal maxima, as torch's argmax
+    // The first of equal maxima, as torch's argmax; a NaN is passed over here (torch's would take it), and
+    // stays NaN in the logits, where the sampler's argmax finds it all the same.
+    for (int64_t v = 0; v < vocab; ++v) {
       o[v] = screen_value(s[v]);
       if (o[v] > best) best = o[v], lead = v;
     }
-    const float floor = row_dot(table + lead * hidden, xr, hidden);
+    const float lead_value = row_dot(table + lead * hidden, xr, hidden);
     for (int64_t v = 0; v < vocab; ++v)
-      if (o[v] + margin * row_error[v] >= floor) o[v] = row_dot(table + v * hidden, xr, hidden);
-    o[lead] = floor;
+      if (o[v] + margin * row_error[v] >= lead_value) o[v] = row_dot(table + v * hidden, xr, hidden);
+    o[lead] = lead_value;
   }
   return 0;
 }

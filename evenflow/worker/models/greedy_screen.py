@@ -30,10 +30,14 @@ class GreedyScreen:
         """``screen`` [rows, >= vocab] bfloat16 (the 4-bit product), ``x`` [rows, hidden] float32, ``table``
         [vocab, hidden] float32, ``row_error`` [vocab] (or [1, vocab]) float32."""
         vocab, hidden = table.shape
-        assert screen.dtype == torch.bfloat16 and screen.stride(1) == 1 and screen.shape[1] >= vocab
-        assert table.dtype == row_error.dtype == torch.float32 and table.is_contiguous() and row_error.is_contiguous()
-        assert row_error.numel() == vocab
         x = x.float().contiguous()
+        table, row_error = table.float().contiguous(), row_error.float().contiguous()  # the head's own: no copy
+        # The C++ reads raw pointers: every shape is checked here, not by asserts ``python -O`` drops.
+        if not (screen.dtype == torch.bfloat16 and screen.dim() == 2 and screen.stride(1) == 1
+                and screen.shape[0] == x.shape[0] and screen.shape[1] >= vocab and x.shape[1] == hidden
+                and row_error.numel() == vocab and all(t.device.type == "cpu" for t in (screen, x, table))):
+            raise ValueError(f"greedy screen: screen {tuple(screen.shape)} {screen.dtype}, x {tuple(x.shape)}, "
+                             f"table {tuple(table.shape)}, row_error {tuple(row_error.shape)}")
         out = torch.empty(x.shape[0], vocab, dtype=torch.float32)
         self._run(screen.data_ptr(), screen.stride(0), x.shape[0], vocab, x.data_ptr(), hidden, table.data_ptr(),
                   row_error.data_ptr(), sigmas, out.data_ptr(), out.stride(0))

@@ -29,6 +29,9 @@ from evenflow.worker.models.q4_blocks import GROUP, Int4Weight, Q4Rows, pack, pa
 log = logging.getLogger("evenflow.worker.int4")
 
 SOURCE = Path(__file__).with_name("int4_gemv.cpp")
+# Torch's int4 kernel, the overload itself (calling it skips the overload resolution of torch.ops.aten.<name>);
+# None in a torch without it.
+TORCH_INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
 _TILE_ROWS = 64  # the AVX-512 packing's tile, the only one the kernel reads
 
 
@@ -56,6 +59,19 @@ class Int4Gemv:
         return y
 
 
+def takes_gemv(rows: int, gemv_rows: int) -> bool:
+    """Whether a product of ``rows`` rows runs on evenflow's GEMV, given the ``gemv_rows`` a start-up timing
+    gave it (``gemv_rows``): the one rule the projections, the fused loop and the head's screen share."""
+    return 0 < rows <= gemv_rows and load_int4_gemv() is not None
+
+
+def int4_product(x: torch.Tensor, weight: Int4Weight, gemv_rows: int) -> torch.Tensor:
+    """``x`` (bfloat16) @ ``weight``.T in bfloat16: evenflow's GEMV where ``takes_gemv``, else torch's kernel."""
+    if takes_gemv(x.shape[0], gemv_rows):
+        return load_int4_gemv()(x, weight)  # type: ignore[misc]  (takes_gemv saw it load)
+    return TORCH_INT4_MM(x, weight.packed, GROUP, weight.scale_zeros)
+
+
 def _agrees(gemv: Int4Gemv) -> bool:
     """Whether the kernel's products match torch's int4 kernel's on a probe weight, to bfloat16's rounding
     (a layout it misreads gives values of another row, far outside that)."""
@@ -64,7 +80,7 @@ def _agrees(gemv: Int4Gemv) -> bool:
     weight = pack(Q4Rows(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
                          torch.rand(n, k // GROUP, generator=g) * 0.1, torch.randn(n, k // GROUP, generator=g) * 0.1))
     x = torch.randn(5, k, generator=g).bfloat16()
-    want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, GROUP, weight.scale_zeros).float()
+    want = TORCH_INT4_MM(x, weight.packed, GROUP, weight.scale_zeros).float()
     got = gemv(x, weight).float()
     return bool(torch.allclose(got, want, rtol=2 ** -6, atol=1e-3))
 

@@ -34,7 +34,9 @@ import psutil
 import torch
 import torch.nn.functional as F
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_fp16
-from evenflow.worker.models.int4_gemv import gemv_rows, load_int4_gemv
+# A torch without its int4 kernel fails layout_matches(), so no Int4CpuLinear is built there.
+from evenflow.worker.models.int4_gemv import TORCH_INT4_MM as _INT4_MM
+from evenflow.worker.models.int4_gemv import gemv_rows, int4_product, load_int4_gemv, takes_gemv
 from evenflow.worker.models.linear import Linear, PackedCpuLinear, pick_linear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack, pack_tile_rows
 from evenflow.worker.models.row_tiles import in_row_tiles
@@ -44,9 +46,6 @@ log = logging.getLogger("evenflow.worker.int4")
 
 # Row counts the start-up measurement tries (decode batches up to chunked prefills).
 _PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# The overload itself: calling it skips the overload resolution of torch.ops.aten.<name>(...). A torch
-# without the kernel fails layout_matches(), so no Int4CpuLinear is built there.
-_INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
 _TRIALS = 5  # min over interleaved trials: the machine may be shared, a min is the stable figure
 # The 4-bit weights are what lets a model fit: a dense copy for many-row steps must not be what makes
 # it not fit (the KV cache, sized after the weights, takes its share of what is left).
@@ -65,10 +64,6 @@ class Int4Plan:
     reason: str
     dense_copy: bool = False  # many-row steps read a dense copy made at load instead of dequantizing
     max_gemv_rows: int = 0  # of the int4 rows, those evenflow's GEMV takes (models/int4_gemv.py), not torch's
-
-    def takes_gemv(self, rows: int) -> bool:
-        """Whether a step of ``rows`` rows runs on evenflow's int4 GEMV (else torch's int4 kernel or dense)."""
-        return 0 < rows <= self.max_gemv_rows
 
     def takes_int4(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows runs on the int4 kernel (else on the dense path)."""
@@ -112,10 +107,7 @@ class Int4CpuLinear:
         kernel = self.kernel(x.shape[0])
         if kernel != "dense":
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # the model's calls are bfloat16
-            if kernel == "gemv":
-                y = load_int4_gemv()(xb, weight)  # type: ignore[misc]  (kernel() saw it load)
-            else:
-                y = _INT4_MM(xb, weight.packed, GROUP, weight.scale_zeros)
+            y = int4_product(xb, weight, self.plan.max_gemv_rows)
             y = y if x.dtype == torch.bfloat16 else y.to(x.dtype)
         elif self.plan.dense_dtype == torch.float16 and isinstance(weight.dense, torch.ScriptObject):
             y = fp16_linear(x.float(), weight.dense).to(x.dtype)
@@ -136,7 +128,7 @@ class Int4CpuLinear:
         """What multiplies a 4-bit weight at ``rows`` rows: evenflow's GEMV, torch's int4 kernel, or the dense path."""
         if not self.plan.takes_int4(rows):
             return "dense"
-        return "gemv" if self.plan.takes_gemv(rows) and load_int4_gemv() is not None else "int4"
+        return "gemv" if takes_gemv(rows, self.plan.max_gemv_rows) else "int4"
 
     def step_nbytes(self, weight: Int4Weight, rows: int) -> int:
         """Bytes of ``weight`` a step of ``rows`` rows reads: the 4-bit weight, or the dense copy it reads."""
@@ -275,7 +267,7 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
             x = big[:rows]
             xd, xb = x.to(dense_dtype), x.bfloat16()
             int4_s, matmul_s, *copy_s = time_min([
-                lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, weight.packed, GROUP, weight.scale_zeros),
+                lambda: _INT4_MM(xb, weight.packed, GROUP, weight.scale_zeros),
                 lambda: F.linear(xd, dense[dense_dtype]),
             ] + [lambda f=f: f(x if f is from_fp16 else xd) for f in copies]
               + ([lambda: gemv(xb, weight)] if gemv is not None else []))

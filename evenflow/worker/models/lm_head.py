@@ -39,7 +39,8 @@ from __future__ import annotations
 import torch
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_fp16
 from evenflow.worker.models.greedy_screen import load_greedy_screen
-from evenflow.worker.models.int4_gemv import gemv_rows, load_int4_gemv
+from evenflow.worker.models.int4_gemv import TORCH_INT4_MM as _INT4_MM
+from evenflow.worker.models.int4_gemv import gemv_rows, int4_product, load_int4_gemv
 from evenflow.worker.models.int4_linear import on_every_core, time_min
 from evenflow.worker.models.linear import Linear, PackedCpuLinear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack
@@ -47,7 +48,6 @@ from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, 
 SCREEN_TOP = 64  # float32 logits per row: more than the 20 top logprobs a request can ask for
 _ROWS_PER_GATHER = 64  # rows whose SCREEN_TOP table rows are gathered at once (64 x 64 x hidden floats)
 _GREEDY_SIGMAS = 10.0  # see the module docstring
-_INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
 # Row counts at which the 4-bit screen times evenflow's GEMV (models/int4_gemv.py) against torch's kernel at
 # start-up (on SmolLM2's 49152 x 576 table on a 2-core Xeon with AMX, ad hoc: 0.58x torch's time at one
 # row, 0.84x at two, 1.02x at four).
@@ -207,10 +207,7 @@ class Int4Screen:
 
     def bf16_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The screen's product [rows, vocab padded to 64] in bfloat16, by the GEMV up to ``gemv_rows``."""
-        w, xb, gemv = self.weight, x.to(torch.bfloat16), load_int4_gemv()
-        if gemv is not None and 0 < x.shape[0] <= self.gemv_rows:
-            return gemv(xb, w)
-        return _INT4_MM(xb, w.packed, GROUP, w.scale_zeros)
+        return int4_product(x.to(torch.bfloat16), self.weight, self.gemv_rows)
 
     def _measured_gemv_rows(self) -> int:
         """``gemv_rows`` of the GEMV against torch's kernel on this table (0: no GEMV here)."""

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from evenflow.worker.models.fused_decode import FusedDecode, attach_fused_decode
-from evenflow.worker.models.int4_gemv import load_int4_gemv
+from evenflow.worker.models.int4_gemv import GemvRows, load_int4_gemv
 from evenflow.worker.models.int4_linear import Int4Plan
 from evenflow.worker.models.linear import cpu_has_fast_path
 from evenflow.worker.runner import ModelRunner
@@ -83,7 +83,7 @@ def test_a_fused_step_gives_the_python_loops_bits(q4_ggufs: dict[str, Path], sha
     elif kernel == "gemv":
         if load_int4_gemv() is None:
             pytest.skip("evenflow's int4 GEMV does not run on this CPU (no AVX-512 BF16 or VBMI)")
-        model.linear.plan = Int4Plan(6, torch.bfloat16, "test", True, max_gemv_rows=6)
+        model.linear.plan = Int4Plan(6, torch.bfloat16, "test", True, gemv_rows=GemvRows(1, 6))
     assert model.linear.kernel(len(lens)) == {"dense copies": "dense"}.get(kernel, kernel)
     step = _shuffled(synthetic_step([1] * len(lens), lens, runner.block_size, runner.device), 96, len(lens))
     g = torch.Generator().manual_seed(len(lens))

@@ -1,11 +1,12 @@
 """evenflow's int4 GEMV (models/int4_gemv.py): the float32 product of the dequantized weight, rounded once to
-bfloat16; the same bits on any thread count; taken by ``Int4CpuLinear`` for the rows its plan gives it."""
+bfloat16, on its VDPBF16PS path and (from 3 rows, where the CPU has AMX) its AMX one, in one A tile of rows and
+in several; the same bits on any thread count; taken by ``Int4CpuLinear`` for the rows its plan gives it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from evenflow.worker.models.int4_gemv import Int4Gemv, gemv_rows, load_int4_gemv
+from evenflow.worker.models.int4_gemv import NO_GEMV, GemvRows, Int4Gemv, gemv_rows, load_int4_gemv
 from evenflow.worker.models.int4_linear import _INT4_MM, Int4CpuLinear, Int4Plan, measure_int4_plan
 from evenflow.worker.models.linear import TorchLinear
 from evenflow.worker.models.q4_blocks import GROUP, Int4Weight, Q4Rows, pack
@@ -27,7 +28,7 @@ def _weight(n: int, k: int, seed: int) -> tuple[Int4Weight, torch.Tensor]:
     return weight, weight.dequantize(torch.empty(n, k)).double()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 21])
 @pytest.mark.parametrize("shape", [(64, 32), (128, 576), (960, 576), (576, 1536)])
 def test_products_are_the_float32_products_rounded_to_bfloat16(gemv: Int4Gemv, shape: tuple[int, int],
                                                                 rows: int) -> None:
@@ -45,9 +46,10 @@ def test_products_are_the_float32_products_rounded_to_bfloat16(gemv: Int4Gemv, s
     assert ((torch_int4 - exact).abs() <= bound).all()
 
 
-def test_the_bits_do_not_depend_on_the_thread_count(gemv: Int4Gemv) -> None:
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_bits_do_not_depend_on_the_thread_count(gemv: Int4Gemv, rows: int) -> None:
     weight, _ = _weight(960, 576, seed=3)
-    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
     prior = torch.get_num_threads()
     try:
         products = []
@@ -61,27 +63,32 @@ def test_the_bits_do_not_depend_on_the_thread_count(gemv: Int4Gemv) -> None:
 
 def test_the_linear_takes_it_for_the_rows_its_plan_gives_it(gemv: Int4Gemv) -> None:
     weight, _ = _weight(128, 576, seed=5)
-    linear = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.bfloat16, "test", max_gemv_rows=4))
-    assert [linear.kernel(rows) for rows in (1, 4, 5, 8, 9)] == ["gemv", "gemv", "int4", "int4", "dense"]
+    linear = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.bfloat16, "test", gemv_rows=GemvRows(2, 4)))
+    assert [linear.kernel(rows) for rows in (1, 2, 4, 5, 8, 9)] == ["int4", "gemv", "gemv", "int4", "int4", "dense"]
     x = torch.randn(8, 576, generator=torch.Generator().manual_seed(6)).bfloat16()
     assert torch.equal(linear(x[:3], weight), gemv(x[:3], weight))
     assert torch.equal(linear(x[:6], weight), _INT4_MM(x[:6], weight.packed, GROUP, weight.scale_zeros))
+    assert torch.equal(linear(x[:1], weight), _INT4_MM(x[:1], weight.packed, GROUP, weight.scale_zeros))
     # float32 rows are cast to bfloat16 for it and back
     assert torch.equal(linear(x[:2].float(), weight), gemv(x[:2], weight).float())
 
 
-def test_it_takes_the_rows_up_to_the_first_count_torchs_kernel_won() -> None:
+def test_it_takes_the_longest_run_of_probes_it_won() -> None:
     won, lost = (2.0, 1.0), (1.0, 2.0)  # (torch's seconds, the GEMV's)
-    assert gemv_rows({1: won, 2: won, 4: lost, 8: won}) == 2  # a later win is not taken
-    assert gemv_rows({4: won, 1: won, 2: won}) == 4  # by row count, not by the order measured
-    assert gemv_rows({1: lost, 2: won}) == 0 and gemv_rows({}) == 0
-    assert gemv_rows({1: (1.0, 1.0)}) == 0  # a tie keeps torch's kernel
+    assert gemv_rows({1: won, 2: won, 4: lost, 8: won}) == GemvRows(1, 2)  # a win alone is not taken
+    assert gemv_rows({4: won, 1: won, 2: won}) == GemvRows(1, 4)  # by row count, not by the order measured
+    # from the count after the probe it lost: 3 rows, between a loss at 2 and a win at 4, are its
+    assert gemv_rows({1: lost, 2: lost, 4: won, 8: won, 16: lost}) == GemvRows(3, 8)
+    assert gemv_rows({1: won, 2: lost, 4: won, 8: won}) == GemvRows(3, 8)  # the longer run
+    assert gemv_rows({1: lost}) == NO_GEMV and gemv_rows({}) == NO_GEMV
+    assert gemv_rows({1: (1.0, 1.0)}) == NO_GEMV  # a tie keeps torch's kernel
 
 
 def test_the_plan_gives_it_the_measured_rows_and_counts_its_time_there(gemv: Int4Gemv) -> None:
     plan = measure_int4_plan((960, 576), bf16_fast=True)
-    assert "GEMV" in plan.reason and plan.max_gemv_rows <= plan.max_int4_rows
-    assert (f"(evenflow's GEMV up to {plan.max_gemv_rows})" in plan.reason) == (plan.max_gemv_rows > 0)
+    first, last = plan.gemv_rows
+    assert "GEMV" in plan.reason and last <= plan.max_int4_rows
+    assert (f"(evenflow's GEMV for {first}-{last})" in plan.reason) == (first <= last)
     without = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.bfloat16, "test"))
     assert without.kernel(1) == "int4"  # a plan that never measured it never takes it
 
@@ -89,5 +96,5 @@ def test_the_plan_gives_it_the_measured_rows_and_counts_its_time_there(gemv: Int
 def test_no_rows_give_no_products(gemv: Int4Gemv) -> None:
     weight, _ = _weight(128, 64, seed=7)
     assert gemv(torch.empty(0, 64, dtype=torch.bfloat16), weight).shape == (0, 128)
-    linear = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.bfloat16, "test", max_gemv_rows=4))
+    linear = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.bfloat16, "test", gemv_rows=GemvRows(1, 4)))
     assert linear.kernel(0) == "int4"

@@ -15,7 +15,7 @@ from evenflow.worker.models import lm_head
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works
 from evenflow.worker.models.greedy_screen import load_greedy_screen
 from evenflow.worker.models.linear import TorchLinear, cpu_has_fast_path
-from evenflow.worker.models.int4_gemv import load_int4_gemv
+from evenflow.worker.models.int4_gemv import NO_GEMV, GemvRows, load_int4_gemv
 from evenflow.worker.models.lm_head import SCREEN_TOP, ScreenedHead
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
@@ -93,7 +93,7 @@ def test_the_greedy_screen_keeps_float32s_argmax_and_its_value(rows: int, spread
     assert head.int4 is not None and head.step_nbytes(rows, greedy=True) == head.int4.weight.nbytes
     if screen_kernel == "gemv" and load_int4_gemv() is None:
         pytest.skip("evenflow's int4 GEMV does not run on this CPU")
-    head.int4.gemv_rows = rows if screen_kernel == "gemv" else 0  # whatever the start-up timing chose
+    head.int4.gemv_rows = GemvRows(1, rows) if screen_kernel == "gemv" else NO_GEMV  # whatever start-up chose
     got = head(x, greedy=True)
     assert got.dtype == torch.float32 and got.shape == (rows, 3000)
     assert torch.equal(got.argmax(1), reference.argmax(1))

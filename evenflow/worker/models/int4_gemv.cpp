@@ -8,6 +8,12 @@
 // 0x4300 into each half makes the bfloat16 number 128 + q exactly, so one VDPBF16PS adds
 // x[kk] * (128 + q[kk]) + x[kk+1] * (128 + q[kk+1]) for 16 rows in float32. Per group of 32 columns,
 // sum(x * value) = scale * dot + (zero - 136 * scale) * sum(x), sum(x) taken once per row of x.
+//
+// From kAmxFromRows rows on, where the CPU has AMX, the same unpacking feeds AMX instead: a permuted load is
+// exactly one row of a VNNI B tile (16 weight rows x a column pair), so a group's 16 loads make four B tiles,
+// and one TDPBF16PS per tile multiplies them with up to 16 rows of x. VDPBF16PS's work grows with the rows
+// (4 instructions a load a row), AMX's barely: 6 rows cost 0.38-0.52x torch's kernel, 2 rows about what the
+// VDPBF16PS path costs (SmolLM2's shapes, 2-core Xeon, docs/results/quantization.md).
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -18,6 +24,8 @@
 #if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define EVENFLOW_INT4_GEMV 1
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -25,6 +33,8 @@ namespace {
 constexpr int64_t kGemvGroup = 32;  // columns per scale/zero
 constexpr int64_t kGemvTile = 64;   // rows per packed tile
 constexpr int kGemvMaxRows = 4;     // rows of x that share one unpacking of the weight
+constexpr int kAmxFromRows = 3;     // products of this many rows or more run on AMX where the CPU has it
+constexpr int kAmxMaxRows = 16;     // rows of x in one A tile
 
 #ifdef EVENFLOW_INT4_GEMV
 // Row sums of x per group, in float32 (the bfloat16 values are exact in it).
@@ -42,29 +52,74 @@ void group_sums(const uint16_t* x, int64_t rows, int64_t k, float* out) {
     }
 }
 
-// The 64 output rows of tile ``t`` for R rows of x. One 64-byte load holds two columns of the tile; two
-// byte permutes give the lanes of rows [0, 16) + [32, 48) and of rows [16, 32) + [48, 64). R == 1 keeps two
-// accumulators a lane (even and odd column pairs) so the adds do not wait on each other; with more rows of x
-// the rows' accumulators are independent already. The totals over groups stay in L1, not in registers.
+#define EVENFLOW_AVX512 "avx512f,avx512bw,avx512bf16,avx512vbmi"
+
+// One 64-byte load of a tile (columns kk and kk + 1 of its 64 rows) as four vectors of bfloat16 pairs
+// (128 + q[kk], 128 + q[kk + 1]), vector j for rows first_row(t)[j] + [0, 16): two byte permutes give the lanes
+// of rows [0, 16) + [32, 48) and of rows [16, 32) + [48, 64), their low and high nibbles the four sets.
+struct Unpacker {
+  __m512i idx[2], nibble, magic;
+  __mmask64 keep = 0x5555555555555555ULL;
+
+  __attribute__((target(EVENFLOW_AVX512))) Unpacker() {
+    alignas(64) uint8_t index[2][64];
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 16; ++i) {  // lane i: the byte of row h*16 + i at column kk, 0, its byte at kk + 1, 0
+        index[h][4 * i] = uint8_t(h * 16 + i);
+        index[h][4 * i + 2] = uint8_t(32 + h * 16 + i);
+        index[h][4 * i + 1] = index[h][4 * i + 3] = 0;
+      }
+    idx[0] = _mm512_load_si512(index[0]);
+    idx[1] = _mm512_load_si512(index[1]);
+    nibble = _mm512_set1_epi32(0x000F000F);
+    magic = _mm512_set1_epi32(0x43004300);
+  }
+
+  __attribute__((target(EVENFLOW_AVX512))) void operator()(const uint8_t* p, __m512i w[4]) const {
+    const __m512i raw = _mm512_loadu_si512(p);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i pair = _mm512_maskz_permutexvar_epi8(keep, idx[h], raw);
+      w[2 * h] = _mm512_ternarylogic_epi32(pair, nibble, magic, 0xEA);  // (a & b) | c
+      w[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(pair, 4), nibble, magic, 0xEA);
+    }
+  }
+};
+
+// The rows of tile t that lane set j of Unpacker holds start at first_row(t)[j].
+struct FirstRows {
+  int64_t row[4];
+  explicit FirstRows(int64_t t) : row{t * kGemvTile, t * kGemvTile + 32, t * kGemvTile + 16, t * kGemvTile + 48} {}
+};
+
+// Group g's scale and (zero - 136 * scale) for the 16 rows from ``row``: 136 = 128 of the unpacked values + 8.
+__attribute__((target(EVENFLOW_AVX512))) inline void group_scale(const uint16_t* scale_zeros, int64_t g, int64_t n,
+                                                                 int64_t row, __m512& scale, __m512& offset) {
+  const __m512i sz = _mm512_loadu_si512(scale_zeros + (g * n + row) * 2);
+  scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+  offset = _mm512_fmadd_ps(scale, _mm512_set1_ps(-136.f),
+                           _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(int(0xFFFF0000u)))));
+}
+
+// total [rows][4][16] float32 -> y's rows, bfloat16.
+__attribute__((target(EVENFLOW_AVX512))) inline void store_rows(const float* total, int rows, const FirstRows& first,
+                                                                int64_t n, uint16_t* y) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < 4; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n + first.row[j]),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(total + (r * 4 + j) * 16)));
+}
+
+// The 64 output rows of tile ``t`` for R rows of x. R == 1 keeps two accumulators a lane (even and odd
+// column pairs) so the adds do not wait on each other; with more rows of x the rows' accumulators are
+// independent already. The totals over groups stay in L1, not in registers.
 template <int R>
-__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vbmi"))) void gemv_tile(
-    const uint16_t* x, const float* sums, int64_t k, int64_t n, const uint8_t* packed, const uint16_t* scale_zeros,
-    int64_t t, uint16_t* y) {
+__attribute__((target(EVENFLOW_AVX512))) void gemv_tile(const uint16_t* x, const float* sums, int64_t k, int64_t n,
+                                                        const uint8_t* packed, const uint16_t* scale_zeros, int64_t t,
+                                                        uint16_t* y) {
   constexpr int A = R == 1 ? 2 : 1;
   const int64_t groups = k / kGemvGroup;
-  alignas(64) uint8_t index[2][64];
-  for (int h = 0; h < 2; ++h)
-    for (int i = 0; i < 16; ++i) {  // lane i: the byte of row h*16 + i at column kk, 0, its byte at kk + 1, 0
-      index[h][4 * i] = uint8_t(h * 16 + i);
-      index[h][4 * i + 2] = uint8_t(32 + h * 16 + i);
-      index[h][4 * i + 1] = index[h][4 * i + 3] = 0;
-    }
-  const __m512i idx[2] = {_mm512_load_si512(index[0]), _mm512_load_si512(index[1])};
-  const __m512i nibble = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
-  const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000u));
-  const __mmask64 keep = 0x5555555555555555ULL;
-  // The 16 rows of lane set j: low nibbles of permute 0, high of 0, low of 1, high of 1.
-  const int64_t first_row[4] = {t * kGemvTile, t * kGemvTile + 32, t * kGemvTile + 16, t * kGemvTile + 48};
+  const Unpacker unpack;
+  const FirstRows first(t);
   const uint8_t* tile = packed + t * k * 32;
   alignas(64) float total[R][4][16] = {};
   for (int64_t g = 0; g < groups; ++g) {
@@ -75,26 +130,19 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vbmi"))) void gemv_tile
     const uint8_t* p = tile + g * kGemvGroup * 32;
 #pragma GCC unroll 16
     for (int kk = 0; kk < kGemvGroup; kk += 2) {
-      const __m512i raw = _mm512_loadu_si512(p + kk * 32);
-      __m512bh w[4];
-      for (int h = 0; h < 2; ++h) {
-        const __m512i pair = _mm512_maskz_permutexvar_epi8(keep, idx[h], raw);
-        w[2 * h] = (__m512bh)_mm512_ternarylogic_epi32(pair, nibble, magic, 0xEA);  // (a & b) | c
-        w[2 * h + 1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(pair, 4), nibble, magic, 0xEA);
-      }
+      __m512i w[4];
+      unpack(p + kk * 32, w);
       const int a = (kk / 2) % A;
       for (int r = 0; r < R; ++r) {
         int32_t xs;
         std::memcpy(&xs, x + r * k + g * kGemvGroup + kk, sizeof xs);
         const __m512bh xb = (__m512bh)_mm512_set1_epi32(xs);
-        for (int j = 0; j < 4; ++j) acc[r][j][a] = _mm512_dpbf16_ps(acc[r][j][a], w[j], xb);
+        for (int j = 0; j < 4; ++j) acc[r][j][a] = _mm512_dpbf16_ps(acc[r][j][a], (__m512bh)w[j], xb);
       }
     }
-    const __m512 minus136 = _mm512_set1_ps(-136.f);
     for (int j = 0; j < 4; ++j) {
-      const __m512i sz = _mm512_loadu_si512(scale_zeros + (g * n + first_row[j]) * 2);
-      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-      const __m512 offset = _mm512_fmadd_ps(scale, minus136, _mm512_castsi512_ps(_mm512_and_si512(sz, high_half)));
+      __m512 scale, offset;
+      group_scale(scale_zeros, g, n, first.row[j], scale, offset);
       for (int r = 0; r < R; ++r) {
         const __m512 dot = A == 1 ? acc[r][j][0] : _mm512_add_ps(acc[r][j][0], acc[r][j][A - 1]);
         __m512 sum = _mm512_fmadd_ps(scale, dot, _mm512_load_ps(total[r][j]));
@@ -102,11 +150,81 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vbmi"))) void gemv_tile
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n + first_row[j]),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(total[r][j])));
+  store_rows(&total[0][0][0], R, first, n, y);
 }
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_allowed() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("avx512bf16")) return false;
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
+    if (!amx_bf16 || !amx_tile) return false;
+    // Linux hands a process the tile registers' state on request (5.16 and later); elsewhere this fails.
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return ok;
+}
+
+// The 64 output rows of tile ``t`` for ``rows`` (<= 16) rows of x, by AMX: per group of 32 columns the 16
+// unpacked loads are stored as four B tiles (one a lane set), each multiplied with x's 32 columns into a fresh
+// C tile (the group's dot products), then scaled into the totals as in gemv_tile. Tiles: 0 x, 1 and 6 B,
+// 2-5 C (amx_configure).
+__attribute__((target(EVENFLOW_AVX512 ",amx-tile,amx-bf16"))) void amx_tile(
+    const uint16_t* x, int rows, const float* sums, int64_t k, int64_t n, const uint8_t* packed,
+    const uint16_t* scale_zeros, int64_t t, uint16_t* y) {
+  const int64_t groups = k / kGemvGroup;
+  const Unpacker unpack;
+  const FirstRows first(t);
+  const uint8_t* tile = packed + t * k * 32;
+  alignas(64) float total[kAmxMaxRows][4][16] = {};
+  alignas(64) __m512i b[4][16];  // B tile j: row kk / 2 = lane set j's vector of columns kk, kk + 1
+  alignas(64) float c[4][kAmxMaxRows][16];
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = tile + g * kGemvGroup * 32;
+#pragma GCC unroll 16
+    for (int kk = 0; kk < kGemvGroup; kk += 2) {
+      __m512i w[4];
+      unpack(p + kk * 32, w);
+      for (int j = 0; j < 4; ++j) b[j][kk / 2] = w[j];
+    }
+    _tile_loadd(0, x + g * kGemvGroup, k * 2);
+    _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+    _tile_loadd(1, b[0], 64); _tile_dpbf16ps(2, 0, 1);
+    _tile_loadd(6, b[1], 64); _tile_dpbf16ps(3, 0, 6);
+    _tile_loadd(1, b[2], 64); _tile_dpbf16ps(4, 0, 1);
+    _tile_loadd(6, b[3], 64); _tile_dpbf16ps(5, 0, 6);
+    _tile_stored(2, c[0], 64); _tile_stored(3, c[1], 64); _tile_stored(4, c[2], 64); _tile_stored(5, c[3], 64);
+    for (int j = 0; j < 4; ++j) {
+      __m512 scale, offset;
+      group_scale(scale_zeros, g, n, first.row[j], scale, offset);
+      for (int r = 0; r < rows; ++r) {
+        __m512 sum = _mm512_fmadd_ps(scale, _mm512_load_ps(c[j][r]), _mm512_load_ps(total[r][j]));
+        _mm512_store_ps(total[r][j], _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r * groups + g]), sum));
+      }
+    }
+  }
+  store_rows(&total[0][0][0], rows, first, n, y);
+}
+
+__attribute__((target("amx-tile"))) void amx_configure(int rows) {
+  TileConfig cfg;
+  cfg.rows[0] = rows; cfg.colsb[0] = 64;              // A: rows of x, 32 columns
+  cfg.rows[1] = cfg.rows[6] = 16; cfg.colsb[1] = cfg.colsb[6] = 64;  // B: 16 column pairs x 16 weight rows
+  for (int j = 2; j < 6; ++j) { cfg.rows[j] = rows; cfg.colsb[j] = 64; }  // C: rows x 16 float32
+  // Not _tile_loadconfig: GCC 12's tells the compiler it reads 8 bytes, and the rows and widths set above
+  // were dropped as dead stores.
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
 
 bool int4_gemv_supported() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -115,13 +233,14 @@ bool int4_gemv_supported() {
 }
 #else
 bool int4_gemv_supported() { return false; }
+bool amx_allowed() { return false; }
 #endif
 
 // y [rows, n] = x [rows, k] @ W.T, all bfloat16 row-major; 0, or -1 where the CPU (or the compiler) or the
 // shape is not one this kernel takes (n a multiple of 64, k of 32). The tiles of W are split between
 // ``threads``; each output is computed by one thread in one order, so the result does not depend on the
 // thread count (it does on how many rows of x are multiplied at once: a row alone sums in two accumulators
-// a lane, blocks of rows in one).
+// a lane, blocks of rows in one, from kAmxFromRows rows AMX sums each group in its own order).
 int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* packed, const uint16_t* scale_zeros,
                    int64_t n, uint16_t* y, int threads) {
   if (rows == 0) return 0;
@@ -129,6 +248,21 @@ int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* pa
 #ifdef EVENFLOW_INT4_GEMV
   std::vector<float> sums(rows * (k / kGemvGroup));
   group_sums(x, rows, k, sums.data());
+  if (rows >= kAmxFromRows && amx_allowed()) {
+#pragma omp parallel num_threads(threads)
+    {
+      int configured = 0;  // the A and C tiles' rows this thread's tile configuration has
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < n / kGemvTile; ++t)
+        for (int64_t r = 0; r < rows; r += kAmxMaxRows) {
+          const int block = rows - r < kAmxMaxRows ? int(rows - r) : kAmxMaxRows;
+          if (block != configured) amx_configure(configured = block);
+          amx_tile(x + r * k, block, sums.data() + r * (k / kGemvGroup), k, n, packed, scale_zeros, t, y + r * n);
+        }
+      if (configured) amx_release();
+    }
+    return 0;
+  }
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < n / kGemvTile; ++t) {
     for (int64_t r = 0; r < rows; r += kGemvMaxRows) {
@@ -160,5 +294,8 @@ int evenflow_int4_gemv(const void* x, int64_t rows, int64_t k, const void* packe
 }
 
 int evenflow_int4_gemv_supported() { return int4_gemv_supported() ? 1 : 0; }
+
+// The fewest rows AMX multiplies here; 0 where the CPU, the kernel or the compiler has no AMX.
+int evenflow_int4_amx_from_rows() { return int4_gemv_supported() && amx_allowed() ? kAmxFromRows : 0; }
 
 }  // extern "C"

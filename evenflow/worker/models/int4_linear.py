@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_fp16
 # A torch without its int4 kernel fails layout_matches(), so no Int4CpuLinear is built there.
 from evenflow.worker.models.int4_gemv import TORCH_INT4_MM as _INT4_MM
-from evenflow.worker.models.int4_gemv import gemv_rows, int4_product, load_int4_gemv, takes_gemv
+from evenflow.worker.models.int4_gemv import NO_GEMV, GemvRows, gemv_rows, int4_product, load_int4_gemv, takes_gemv
 from evenflow.worker.models.linear import Linear, PackedCpuLinear, pick_linear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack, pack_tile_rows
 from evenflow.worker.models.row_tiles import in_row_tiles
@@ -53,6 +53,7 @@ DENSE_COPY_RAM_SHARE = 0.25
 # The copies a probe cycles through add up to this, so each GEMM reads its weight from memory, as a
 # step does, not from a cache the previous trial filled.
 _COPY_PROBE_BYTES = 96 << 20
+_INT4_RUN = 8  # 4-bit products timed in a row, as a step's projections follow each other
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Int4Plan:
     dense_dtype: torch.dtype  # float16: FBGEMM's float16-weight GEMM on a copy (models/fp16_gemm.py)
     reason: str
     dense_copy: bool = False  # many-row steps read a dense copy made at load instead of dequantizing
-    max_gemv_rows: int = 0  # of the int4 rows, those evenflow's GEMV takes (models/int4_gemv.py), not torch's
+    gemv_rows: GemvRows = NO_GEMV  # of the int4 rows, those evenflow's GEMV takes (models/int4_gemv.py), not torch's
 
     def takes_int4(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows runs on the int4 kernel (else on the dense path)."""
@@ -107,7 +108,7 @@ class Int4CpuLinear:
         kernel = self.kernel(x.shape[0])
         if kernel != "dense":
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # the model's calls are bfloat16
-            y = int4_product(xb, weight, self.plan.max_gemv_rows)
+            y = int4_product(xb, weight, self.plan.gemv_rows)
             y = y if x.dtype == torch.bfloat16 else y.to(x.dtype)
         elif self.plan.dense_dtype == torch.float16 and isinstance(weight.dense, torch.ScriptObject):
             y = fp16_linear(x.float(), weight.dense).to(x.dtype)
@@ -128,7 +129,7 @@ class Int4CpuLinear:
         """What multiplies a 4-bit weight at ``rows`` rows: evenflow's GEMV, torch's int4 kernel, or the dense path."""
         if not self.plan.takes_int4(rows):
             return "dense"
-        return "gemv" if takes_gemv(rows, self.plan.max_gemv_rows) else "int4"
+        return "gemv" if takes_gemv(rows, self.plan.gemv_rows) else "int4"
 
     def step_nbytes(self, weight: Int4Weight, rows: int) -> int:
         """Bytes of ``weight`` a step of ``rows`` rows reads: the 4-bit weight, or the dense copy it reads."""
@@ -213,6 +214,25 @@ def _from_memory(weight: torch.Tensor, fp16: bool = False) -> Callable[[torch.Te
     return linear
 
 
+def _int4_from_memory(weight: Int4Weight) -> Callable[[Callable[[Int4Weight], object]], None]:
+    """``run(product)``: ``_INT4_RUN`` 4-bit products in a row, as a decode step's projections follow each other,
+    each with the next of enough copies of ``weight`` (``_COPY_PROBE_BYTES``) that it reads its weight from
+    memory. Timed alone on one weight the cache kept, torch's kernel beat the GEMV at one row where, read from
+    memory product after product, the GEMV took 0.54-0.84x its time."""
+    count = -(-_COPY_PROBE_BYTES // weight.nbytes) + _INT4_RUN
+    copies = [replace(weight, packed=weight.packed.clone(), scale_zeros=weight.scale_zeros.clone())
+              for _ in range(count)]
+    turn = [0]
+
+    def run(product: Callable[[Int4Weight], object]) -> None:
+        start = turn[0]
+        turn[0] = (start + _INT4_RUN) % (count - _INT4_RUN)
+        for w in copies[start:start + _INT4_RUN]:
+            product(w)
+
+    return run
+
+
 def time_min(fns: list, trials: int = _TRIALS) -> list[float]:
     """Seconds per call of each function: min over trials, the functions interleaved in each."""
     best = [float("inf")] * len(fns)
@@ -260,6 +280,7 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
         from_fp16 = _from_memory(dense[torch.float32], fp16=True) if fp16_fits else None
 
         copies = [f for f in (from_copy, from_fp16) if f is not None]
+        int4_run = _int4_from_memory(weight)
         gemv = load_int4_gemv()
         probes: list[tuple[int, float, float, float, float]] = []  # rows, int4, dequantized, copy, fp16 (s)
         gemv_detail: dict[int, tuple[float, float]] = {}  # rows: torch's int4 kernel, the GEMV (s)
@@ -267,13 +288,14 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
             x = big[:rows]
             xd, xb = x.to(dense_dtype), x.bfloat16()
             int4_s, matmul_s, *copy_s = time_min([
-                lambda: _INT4_MM(xb, weight.packed, GROUP, weight.scale_zeros),
+                lambda: int4_run(lambda w: _INT4_MM(xb, w.packed, GROUP, w.scale_zeros)),
                 lambda: F.linear(xd, dense[dense_dtype]),
             ] + [lambda f=f: f(x if f is from_fp16 else xd) for f in copies]
-              + ([lambda: gemv(xb, weight)] if gemv is not None else []))
+              + ([lambda: int4_run(lambda w: gemv(xb, w))] if gemv is not None else []))
+            int4_s /= _INT4_RUN
             if gemv is not None:
                 *copy_s, gemv_s = copy_s
-                gemv_detail[rows] = (int4_s, gemv_s)
+                gemv_detail[rows] = (int4_s, gemv_s / _INT4_RUN)
             timed = dict(zip(copies, copy_s))
             probes.append((rows, int4_s, dequant_s[dense_dtype] + matmul_s, timed.get(from_copy, float("inf")),
                            timed.get(from_fp16, float("inf"))))
@@ -281,8 +303,8 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
         f32_kept = from_copy if from_copy and dense_dtype == torch.float32 else _from_memory(dense[torch.float32])
         f32_one = time_min([lambda: f32_kept(big[:1])])[0]
         timed_copy = from_copy is not None
-    max_gemv = gemv_rows(gemv_detail)
-    probes = [(rows, gemv_detail[rows][1] if rows <= max_gemv else i, *rest) for rows, i, *rest in probes]
+    by_gemv = gemv_rows(gemv_detail)
+    probes = [(rows, gemv_detail[rows][1] if takes_gemv(rows, by_gemv) else i, *rest) for rows, i, *rest in probes]
     name = str(dense_dtype)[6:]
     detail = "; ".join((f"{rows}: int4 {gemv_detail[rows][0] * 1e3:.3f} / GEMV {gemv_detail[rows][1] * 1e3:.3f}"
                         if gemv_detail else f"{rows}: int4 {i * 1e3:.3f}") + f" / dequant+{name} {d * 1e3:.3f}"
@@ -290,19 +312,22 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
                        + (f" / float16 copy {h * 1e3:.3f}" if from_fp16 else "") + " ms" for rows, i, d, c, h in probes)
     if probes[0][1] >= min(f32_one, probes[0][2]):
         return Int4Plan(0, dense_dtype, f"the int4 kernel was slower than float32 at one row ({detail})")
-    use_copy = timed_copy and all(c < d for _, i, d, c, _ in probes if i >= c)
+    # A dense path is compared where int4 does not win against it, and always at the largest probe: where
+    # the GEMV wins at every probe, a comparison over no probes chose a copy slower than the other.
+    last = _PROBE_ROWS[-1]
+    use_copy = timed_copy and all(c < d for rows, i, d, c, _ in probes if i >= c or rows == last)
     dense_s = [c if use_copy else d for _, i, d, c, _ in probes]
-    if from_fp16 is not None and all(h < m for (_, i, _, _, h), m in zip(probes, dense_s) if i >= h):
+    if from_fp16 is not None and all(h < m for (rows, i, _, _, h), m in zip(probes, dense_s) if i >= h or rows == last):
         dense_dtype, use_copy, name = torch.float16, True, "float16 (FBGEMM)"
         copy_bytes, dense_s = copy_params * 2, [h for *_, h in probes]
     max_rows = max(rows for (rows, i, *_), m in zip(probes, dense_s) if i < m or rows == 1)
     many = (f"a {name} copy above ({copy_bytes / 2**30:.2f} GiB)" if use_copy
             else f"dequantized {name} above" + ("" if copy_fits or not copy_params else
                                                 f" (a {copy_bytes / 2**30:.2f} GiB copy would not fit)"))
-    max_gemv = min(max_gemv, max_rows)
+    by_gemv = GemvRows(by_gemv.first, min(by_gemv.last, max_rows))
     up_to = f"int4 up to {max_rows} row{'s' if max_rows > 1 else ''}"
-    gemv_part = f" (evenflow's GEMV up to {max_gemv})" if max_gemv else ""
-    return Int4Plan(max_rows, dense_dtype, f"{up_to}{gemv_part}, {many}, on {n}x{k} ({detail})", use_copy, max_gemv)
+    gemv_part = f" (evenflow's GEMV for {by_gemv.first}-{by_gemv.last})" if by_gemv.last >= by_gemv.first else ""
+    return Int4Plan(max_rows, dense_dtype, f"{up_to}{gemv_part}, {many}, on {n}x{k} ({detail})", use_copy, by_gemv)
 
 
 _PLANS: dict[tuple[tuple[int, int], bool, int], Int4Plan] = {}

@@ -40,7 +40,7 @@ import torch
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_fp16
 from evenflow.worker.models.greedy_screen import load_greedy_screen
 from evenflow.worker.models.int4_gemv import TORCH_INT4_MM as _INT4_MM
-from evenflow.worker.models.int4_gemv import gemv_rows, int4_product, load_int4_gemv
+from evenflow.worker.models.int4_gemv import NO_GEMV, GemvRows, gemv_rows, int4_product, load_int4_gemv
 from evenflow.worker.models.int4_linear import on_every_core, time_min
 from evenflow.worker.models.linear import Linear, PackedCpuLinear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack
@@ -49,9 +49,9 @@ SCREEN_TOP = 64  # float32 logits per row: more than the 20 top logprobs a reque
 _ROWS_PER_GATHER = 64  # rows whose SCREEN_TOP table rows are gathered at once (64 x 64 x hidden floats)
 _GREEDY_SIGMAS = 10.0  # see the module docstring
 # Row counts at which the 4-bit screen times evenflow's GEMV (models/int4_gemv.py) against torch's kernel at
-# start-up (on SmolLM2's 49152 x 576 table on a 2-core Xeon with AMX, ad hoc: 0.58x torch's time at one
-# row, 0.84x at two, 1.02x at four).
-_GEMV_PROBE_ROWS = (1, 2, 4)
+# start-up (on SmolLM2's 49152 x 576 table on a 2-core Xeon with AMX, ad hoc: 0.58-0.98x torch's time at one
+# row, 0.79-0.84x at two, and with AMX 0.61-0.65x at four, 0.35-0.40x at six, 0.21-0.26x at 16).
+_GEMV_PROBE_ROWS = (1, 2, 4, 8, 16)
 
 
 class ScreenedHead:
@@ -197,7 +197,7 @@ class Int4Screen:
         q = ((groups - zero.unsqueeze(-1)) / scale.unsqueeze(-1) + 8).round().clamp(0, 15)
         values = (q - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
         self.weight: Int4Weight = pack(Q4Rows(q.to(torch.uint8).view(rows, hidden), scale, zero))
-        self.gemv_rows = self._measured_gemv_rows()  # rows up to which the GEMV computes the screen
+        self.gemv_rows = self._measured_gemv_rows()  # the row counts the GEMV computes the screen at
         # Per row, the RMS of its rounding error: a logit's error has standard deviation |x| * this.
         self.row_error = (groups - values)[:vocab].pow(2).mean((1, 2)).sqrt().unsqueeze(0)
 
@@ -206,14 +206,14 @@ class Int4Screen:
         return self.bf16_logits(x)[:, : self.vocab].float(), x.norm(dim=1, keepdim=True)
 
     def bf16_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The screen's product [rows, vocab padded to 64] in bfloat16, by the GEMV up to ``gemv_rows``."""
+        """The screen's product [rows, vocab padded to 64] in bfloat16, by the GEMV at ``gemv_rows``."""
         return int4_product(x.to(torch.bfloat16), self.weight, self.gemv_rows)
 
-    def _measured_gemv_rows(self) -> int:
-        """``gemv_rows`` of the GEMV against torch's kernel on this table (0: no GEMV here)."""
+    def _measured_gemv_rows(self) -> GemvRows:
+        """``gemv_rows`` of the GEMV against torch's kernel on this table (NO_GEMV: none here)."""
         gemv = load_int4_gemv()
         if gemv is None:
-            return 0
+            return NO_GEMV
         w, g = self.weight, torch.Generator().manual_seed(0)
         timings = {}
         with on_every_core(), torch.inference_mode():

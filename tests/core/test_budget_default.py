@@ -10,7 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from evenflow.core.sched.auto_target import AUTO_TARGET_DECODE_MULTIPLE, AUTO_TARGET_FLOOR_S, AutoTarget
+from evenflow.core.sched.auto_target import (
+    AUTO_TARGET_DECODE_MULTIPLE, AUTO_TARGET_FLOOR_S, AUTO_TARGET_PREFILL_PIECES, AutoTarget, PromptStepEstimate,
+)
 from evenflow.core.sched.aim import AIM_MIN, AIM_START, AIM_WINDOW, GAPS_OVER_TARGET
 from evenflow.core.sched.budget_controller import PREFILL_MIN_SHARE
 from evenflow.core.sched.budget_trace import TRACE_ENV
@@ -49,6 +51,43 @@ def test_the_derived_target_is_the_floor_or_a_multiple_of_the_decode_step() -> N
     for seconds in ([0.040] * 19 + [2.0]) * 5:  # a rare stall hardly moves the median
         auto.observe_decode_step(seconds)
     assert auto.target_s == pytest.approx(AUTO_TARGET_DECODE_MULTIPLE * 0.040, rel=0.1)
+
+
+def test_the_prompt_step_is_the_median_of_its_estimates_scaled_to_the_budget() -> None:
+    estimate = PromptStepEstimate()
+    for prompt_s in (0.5, 0.5, 0.5):
+        estimate.observe(prompt_s, work_tokens=512, budget_tokens=2048)
+    assert estimate.seconds == 0.0  # too few to say
+    estimate.observe(9.0, work_tokens=512, budget_tokens=2048)  # one slow step does not move the median far
+    estimate.observe(0.25, work_tokens=256, budget_tokens=2048)
+    assert estimate.seconds == pytest.approx(2.0)
+    auto = AutoTarget()
+    auto.observe_decode_step(0.010)
+    assert auto.target_s == pytest.approx(max(AUTO_TARGET_DECODE_MULTIPLE * 0.010, 0.050))
+    auto.prompt_step = estimate
+    assert auto.target_s == pytest.approx(2.0 / AUTO_TARGET_PREFILL_PIECES)
+
+
+def test_a_costly_prompt_step_sets_the_derived_target() -> None:
+    """Decodes cheap beside a prefill that is not (a 2048-token step ~25x the decode step, as AMX tiles
+    left the real GGUF): the target is a sixth of the prompt step, not 8 decode steps, so a long prompt
+    climbs in about six steps."""
+    machine = SyntheticMachine(fixed=3e-3, per_token=1e-3, num_layers=30)
+    scheduler = scheduler_with_streams(auto_target_itl=True, num_layers=30)
+    decode_only = []
+    for i in range(800):
+        if i % 100 == 50:
+            add(scheduler, f"long-{i}", LONG_PROMPT)
+        output, seconds = step(scheduler, machine.step_seconds)
+        if output.total_num_scheduled_tokens == len(output.num_scheduled_tokens) == NUM_STREAMS:
+            decode_only.append(seconds)
+    streams = [c for c in output.scheduled_cached_reqs if c.req_id.startswith("stream")]
+    decodes = {c.req_id: 1 for c in streams}
+    prompt_step = (machine.step_seconds(SchedulerOutput(0, [], streams, decodes | {streams[0].req_id: 2048}, 2055))
+                   - machine.step_seconds(SchedulerOutput(0, [], streams, decodes, NUM_STREAMS)))
+    target = scheduler.get_stats().budget.target_itl_s
+    assert target > 2 * AUTO_TARGET_DECODE_MULTIPLE * float(np.median(decode_only))
+    assert target == pytest.approx(prompt_step / AUTO_TARGET_PREFILL_PIECES, rel=0.2)
 
 
 def test_without_a_target_the_controller_derives_one_from_the_decode_steps() -> None:

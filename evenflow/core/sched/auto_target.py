@@ -1,9 +1,10 @@
-"""The target the adaptive budget runs with when the user names none: derived from the decode step.
+"""The target the adaptive budget runs with when the user names none: derived from the measured steps.
 
 With neither ``--max-num-batched-tokens`` nor ``--target-itl-ms`` given, the engine holds the streams'
 inter-token latency at
 
-    target = max(AUTO_TARGET_FLOOR_S, AUTO_TARGET_DECODE_MULTIPLE x the decode-only step)
+    target = max(AUTO_TARGET_FLOOR_S, AUTO_TARGET_DECODE_MULTIPLE x the decode-only step,
+                 the prompt step / AUTO_TARGET_PREFILL_PIECES)
 
 * The multiple sets how a step is shared: a step of k x the decode step leaves (k - 1) / k of it to
   prompt tokens, so a long prompt beside streams prefills at about (k - 1) / k of its unchunked rate
@@ -13,9 +14,15 @@ inter-token latency at
   runs on the real model (docs/results/steadiness.md, set 69): beside the fixed 2048-token budget on a
   2-core Xeon, k = 8 started a 2048-token prompt 1.24-1.44x later with a worst gap of 0.18-0.25x the
   fixed budget's and the streams' p99 at 1.00-1.02x the target; k = 6 in the same set 1.52-1.90x later
-  (gaps 0.14-0.36x). (k = 6 had been chosen before every layer of a decode step ran as one C++ call,
-  which shortened the decode step by about a quarter and the prefill not at all: the same k then left
-  less room a step.) A larger k buys first tokens with stalls (set 27: k = 9 left gaps of 0.34-0.42x).
+  (gaps 0.14-0.36x). A larger k buys first tokens with stalls (set 27: k = 9 left gaps of 0.34-0.42x).
+* The prompt step is what a fixed budget stalls the streams for: a prompt chunk of the whole token budget
+  alone, estimated from the prompt work of the steps that ran (``PromptStepEstimate``). A target of a
+  ``AUTO_TARGET_PREFILL_PIECES``-th of it cuts a long prompt into about that many steps whatever the decode
+  step costs: the decode step alone ties the target to the wrong cost when decoding gets cheaper and
+  prefill does not (with AMX tiles for few-row products a 6-stream decode step of the real GGUF took ~0.6x
+  its time, the 2048-token prefill the same, and k = 8 started long prompts 1.82x later than the fixed
+  budget at 0.12x its worst gap, set 73). Six pieces: the worst gap stays near a sixth of the fixed
+  budget's (its bar is a quarter), the first token about 6 / 5 times later at most.
 * The floor is what a reader cannot tell apart: 50 ms a token is 20 tokens/s, faster than anyone
   reads a stream. A small model whose decode step is a few ms gets this floor, not 8x its step, and
   its prompts chunks several times larger than 8x would allow.
@@ -28,20 +35,51 @@ inter-token latency at
 
 from __future__ import annotations
 
+import numpy as np
+
 AUTO_TARGET_FLOOR_S = 0.050
 AUTO_TARGET_DECODE_MULTIPLE = 8.0
+AUTO_TARGET_PREFILL_PIECES = 6.0
 DECODE_STEP_TRACKING = 0.005
+# Steps whose prompt work estimates the prompt step: a chunk of at least this share of the token budget
+# (its per-token cost is the budget's: shorter chunks run smaller GEMMs and attend to fewer keys).
+PROMPT_STEP_MIN_SHARE = 0.25
+PROMPT_STEP_WINDOW = 16  # estimates whose median is the prompt step: a group's noise is not the target's
+PROMPT_STEP_MIN_SAMPLES = 4
+
+
+class PromptStepEstimate:
+    """The time of a prompt chunk of the whole token budget, alone: the median over the last
+    ``PROMPT_STEP_WINDOW`` prompt steps of their prompt work scaled to the budget."""
+
+    def __init__(self) -> None:
+        self._estimates = np.zeros(PROMPT_STEP_WINDOW)
+        self._count = 0
+
+    @property
+    def seconds(self) -> float:
+        """0.0 until ``PROMPT_STEP_MIN_SAMPLES`` steps were seen."""
+        if self._count < PROMPT_STEP_MIN_SAMPLES:
+            return 0.0
+        return float(np.median(self._estimates[:min(self._count, PROMPT_STEP_WINDOW)]))
+
+    def observe(self, prompt_s: float, work_tokens: float, budget_tokens: int) -> None:
+        """A step whose prompt work (``work_tokens``: tokens through every layer) took ``prompt_s``."""
+        self._estimates[self._count % PROMPT_STEP_WINDOW] = max(prompt_s, 0.0) * budget_tokens / work_tokens
+        self._count += 1
 
 
 class AutoTarget:
-    """The derived target, from the decode-only steps seen so far."""
+    """The derived target, from the decode-only steps and the prompt steps seen so far."""
 
     def __init__(self) -> None:
         self.decode_step_s = 0.0  # 0: none measured yet
+        self.prompt_step = PromptStepEstimate()
 
     @property
     def target_s(self) -> float:
-        return max(AUTO_TARGET_FLOOR_S, AUTO_TARGET_DECODE_MULTIPLE * self.decode_step_s)
+        return max(AUTO_TARGET_FLOOR_S, AUTO_TARGET_DECODE_MULTIPLE * self.decode_step_s,
+                   self.prompt_step.seconds / AUTO_TARGET_PREFILL_PIECES)
 
     def observe_decode_step(self, seconds: float) -> None:
         """One measured step that carried decodes and no prompt chunk."""

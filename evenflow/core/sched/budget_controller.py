@@ -26,8 +26,8 @@ root, not a search.
   decodes cost in the last ``MEASURED_WINDOW`` prefill steps whose chunk followed a context of the
   same power of two (``MeasuredPromptCost``), in its allowance and in its step's prediction: a fit
   can price them at nothing while it predicts the steps it saw well.
-* Without a target given (``auto_target``), the target is derived from the decode step
-  (``AutoTarget``); ``--max-num-batched-tokens`` is then the ceiling. The decode step is measured
+* Without a target given (``auto_target``), the target is derived from the decode step and the
+  prompt step (``AutoTarget``); ``--max-num-batched-tokens`` is then the ceiling. The decode step is measured
   on decode-only steps; while none has run for ``DECODE_ONLY_STALE`` steps (prompts queued behind
   each other), a prefill step's measured time scaled by the model's share of its decodes stands in
   (not always: the two estimates differ by up to +-20%).
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from evenflow.protocol import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 
 from evenflow.core.sched.aim import AIM_MIN_SAMPLES, FILLED_SHARE, Aim
-from evenflow.core.sched.auto_target import AutoTarget
+from evenflow.core.sched.auto_target import PROMPT_STEP_MIN_SHARE, AutoTarget
 from evenflow.core.sched.budget_stats import BudgetLog, BudgetStats
 from evenflow.core.sched.budget_trace import BudgetTrace, PlannedStep
 from evenflow.core.sched.config import SchedulerConfig
@@ -97,7 +97,7 @@ class BudgetController(LayerGroupSizing):
     """Chooses prefill allowances for a target step time and learns from the steps that ran."""
 
     def __init__(self, target_s: float | None, max_tokens: int, max_model_len: int, max_requests: int) -> None:
-        """``target_s`` None: the target is derived from the measured decode step (``AutoTarget``)."""
+        """``target_s`` None: the target is derived from the measured steps (``AutoTarget``)."""
         self.auto = AutoTarget() if target_s is None else None
         self.target_s = self.auto.target_s if self.auto is not None else target_s
         self.aim = Aim()
@@ -272,6 +272,8 @@ class BudgetController(LayerGroupSizing):
         if planned.layers and not planned.beside:
             self.layer_price.observe(planned.layer_key, seconds - max(planned.decodes_alone_s, 0.0), planned.layers,
                                      planned.layer_tokens)
+        if self.auto is not None and planned.has_prefill and not planned.beside:
+            self._follow_prompt_step(planned, seconds)
         if planned.has_decodes and planned.predicted_s > 0 and self.model.num_observations >= MIN_OBSERVATIONS:
             self.stats.count_step(planned.predicted_s, seconds, self.target_s)
             self._follow(planned, seconds)
@@ -283,7 +285,8 @@ class BudgetController(LayerGroupSizing):
         if not planned.layers and not planned.beside:
             self.model.observe(planned.shape, seconds)
         if self._log.due():
-            source = (f"auto: {self.auto.decode_step_s * 1e3:.1f} ms decode step" if self.auto is not None
+            source = (f"auto: {self.auto.decode_step_s * 1e3:.1f} ms decode step, "
+                      f"{self.auto.prompt_step.seconds * 1e3:.0f} ms prompt step" if self.auto is not None
                       else "--target-itl-ms")
             self._log.write(self.stats, self.target_s, self.aim_s, source, self.max_tokens)
 
@@ -324,6 +327,18 @@ class BudgetController(LayerGroupSizing):
             if decode_s > 0:
                 self.auto.observe_decode_step(decode_s)
                 self.target_s = self.auto.target_s  # the aim keeps its share of a moved target
+
+    def _follow_prompt_step(self, planned: _Planned, seconds: float) -> None:
+        """Feed the derived target's prompt step (auto_target.py) a step whose prompt chunk (a layer group's
+        chunk, or a token chunk) spans ``PROMPT_STEP_MIN_SHARE`` of the token budget or more: its time beyond
+        its decodes (the model's prediction of them), for its prompt work."""
+        assert self.auto is not None
+        chunk = planned.layer_tokens if planned.layers else planned.prefill_tokens
+        if chunk < PROMPT_STEP_MIN_SHARE * self.max_tokens:
+            return
+        self.auto.prompt_step.observe(seconds - max(planned.decodes_alone_s, 0.0), planned.prefill_share,
+                                      self.max_tokens)
+        self.target_s = self.auto.target_s  # the aim keeps its share of a moved target
 
     def fill_stats(self, stats: SchedulerStats) -> SchedulerStats:
         """Write the adaptive budget's part of the scheduler's stats."""

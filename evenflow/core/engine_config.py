@@ -176,7 +176,7 @@ class EngineConfig:
     def budget_description(self) -> str:
         """The token budget's mode in words, for the start-up log (after the model was accepted)."""
         if self.auto_target_itl:
-            return f"adaptive, target derived from the decode step, ceiling {self.max_num_batched_tokens} tokens"
+            return f"adaptive, target derived from the decode and prompt steps, ceiling {self.max_num_batched_tokens} tokens"
         if self.target_itl_ms is not None:
             return f"adaptive, target {self.target_itl_ms:g} ms, ceiling {self.max_num_batched_tokens} tokens"
         return f"fixed, {self.max_num_batched_tokens} tokens a step"
@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--target-itl-ms", type=_target_itl_ms, default=None,
       help="adaptive token budget: each step carries as much prefill as keeps the streams' p99 inter-token "
            "latency (step times fitted online) at this many ms; --max-num-batched-tokens becomes the upper "
-           "bound; 'auto': a target derived from the measured decode step (max(50 ms, 8x the decode step)); "
+           "bound; 'auto': a target derived from the measured steps (max(50 ms, 8x the decode step, a sixth of a "
+           "whole-budget prompt step)); "
            "0 or unset: off (the fixed budget)")
     a("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
       help="when > 1: most requests with a prefill chunk in one step (vLLM V0)")

@@ -3,8 +3,10 @@
 With neither ``--max-num-batched-tokens`` nor ``--target-itl-ms`` given, the engine holds the streams'
 inter-token latency at
 
-    target = max(AUTO_TARGET_FLOOR_S, AUTO_TARGET_DECODE_MULTIPLE x the decode-only step,
-                 the prompt step / AUTO_TARGET_PREFILL_PIECES)
+    target = max(AUTO_TARGET_FLOOR_S, k x the decode-only step,
+                 min(the prompt step / AUTO_TARGET_PREFILL_PIECES, AUTO_TARGET_PREFILL_CAP x k x the decode-only step))
+
+with k = AUTO_TARGET_DECODE_MULTIPLE.
 
 * The multiple sets how a step is shared: a step of k x the decode step leaves (k - 1) / k of it to
   prompt tokens, so a long prompt beside streams prefills at about (k - 1) / k of its unchunked rate
@@ -21,8 +23,10 @@ inter-token latency at
   step costs: the decode step alone ties the target to the wrong cost when decoding gets cheaper and
   prefill does not (with AMX tiles for few-row products a 6-stream decode step of the real GGUF took ~0.6x
   its time, the 2048-token prefill the same, and k = 8 started long prompts 1.82x later than the fixed
-  budget at 0.12x its worst gap, set 73). Six pieces: the worst gap stays near a sixth of the fixed
-  budget's (its bar is a quarter), the first token about 6 / 5 times later at most.
+  budget at 0.12x its worst gap, set 73). Six pieces keep the worst gap near a sixth of the fixed budget's
+  (its bar is a quarter). At most ``AUTO_TARGET_PREFILL_CAP`` x the decode term: the first estimates come
+  from the first long prompt's steps, which ran cold (a layer 2-3x its later cost, set 74) and set the
+  target at twice its later value for that prompt, its worst gap the run's.
 * The floor is what a reader cannot tell apart: 50 ms a token is 20 tokens/s, faster than anyone
   reads a stream. A small model whose decode step is a few ms gets this floor, not 8x its step, and
   its prompts chunks several times larger than 8x would allow.
@@ -40,6 +44,7 @@ import numpy as np
 AUTO_TARGET_FLOOR_S = 0.050
 AUTO_TARGET_DECODE_MULTIPLE = 8.0
 AUTO_TARGET_PREFILL_PIECES = 6.0
+AUTO_TARGET_PREFILL_CAP = 2.0  # of the decode term: the most the prompt step may raise the target to
 DECODE_STEP_TRACKING = 0.005
 # Steps whose prompt work estimates the prompt step: a chunk of at least this share of the token budget
 # (its per-token cost is the budget's: shorter chunks run smaller GEMMs and attend to fewer keys).
@@ -78,8 +83,9 @@ class AutoTarget:
 
     @property
     def target_s(self) -> float:
-        return max(AUTO_TARGET_FLOOR_S, AUTO_TARGET_DECODE_MULTIPLE * self.decode_step_s,
-                   self.prompt_step.seconds / AUTO_TARGET_PREFILL_PIECES)
+        decode_term = AUTO_TARGET_DECODE_MULTIPLE * self.decode_step_s
+        prompt_term = min(self.prompt_step.seconds / AUTO_TARGET_PREFILL_PIECES, AUTO_TARGET_PREFILL_CAP * decode_term)
+        return max(AUTO_TARGET_FLOOR_S, decode_term, prompt_term)
 
     def observe_decode_step(self, seconds: float) -> None:
         """One measured step that carried decodes and no prompt chunk."""

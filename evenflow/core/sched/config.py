@@ -54,7 +54,7 @@ def budget_mode(max_num_batched_tokens_given: bool, target_itl_ms: float | str |
     * ``fixed``: no ``--target-itl-ms`` (or 0): every step's budget is --max-num-batched-tokens;
     * ``target``: ``--target-itl-ms X``: the adaptive budget held at X, the budget flag its ceiling;
     * ``auto``: ``--target-itl-ms auto``: the adaptive budget with a target derived from the measured
-      decode step. Not the default: served beside a busy machine it met the TTFT bar on every model, but
+      decode and prompt steps (auto_target.py). Not the default: served beside a busy machine it met the TTFT bar on every model, but
       throughput (0.80x on the real model) and the streams' p99 (up to 1.23x the target) missed theirs
       in some runs (docs/results/steadiness.md), and the fixed budget stays the default until they hold.
     """
@@ -82,7 +82,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     speculative_config: SpeculativeConfig | None = None  # None: no drafts
     target_itl_ms: float | None = None  # None: a fixed budget; else max_num_batched_tokens is its upper bound
-    auto_target_itl: bool = False  # a target derived from the measured decode step (auto_target.py)
+    auto_target_itl: bool = False  # a target derived from the measured steps (auto_target.py)
     max_num_partial_prefills: int = 1  # > 1: bounds on prompts mid-prefill (vLLM V0), see prefill_gate.py
     max_long_partial_prefills: int = 1
     max_loras: int = 0  # 0: LoRA off; else the most adapters among running requests (--max-loras)

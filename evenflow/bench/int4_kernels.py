@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 from evenflow.worker.models.int4_gemv import GemvRows, load_int4_gemv
-from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan, time_min
+from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan
+from evenflow.worker.models.kernel_timing import time_min
 from evenflow.worker.models.linear import PackedCpuLinear, TorchLinear
 from evenflow.worker.models.q4_blocks import GROUP, Q4Rows, pack
 

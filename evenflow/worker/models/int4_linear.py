@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Literal
@@ -37,23 +36,20 @@ from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_
 # A torch without its int4 kernel fails layout_matches(), so no Int4CpuLinear is built there.
 from evenflow.worker.models.int4_gemv import TORCH_INT4_MM as _INT4_MM
 from evenflow.worker.models.int4_gemv import NO_GEMV, GemvRows, gemv_rows, int4_product, load_int4_gemv, takes_gemv
+from evenflow.worker.models.kernel_timing import (
+    COPY_PROBE_BYTES, INT4_RUN, int4_from_memory, on_every_core, time_min,
+)
 from evenflow.worker.models.linear import Linear, PackedCpuLinear, pick_linear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack, pack_tile_rows
 from evenflow.worker.models.row_tiles import in_row_tiles
-from evenflow.worker.threads import usable_cores
 
 log = logging.getLogger("evenflow.worker.int4")
 
 # Row counts the start-up measurement tries (decode batches up to chunked prefills).
 _PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-_TRIALS = 5  # min over interleaved trials: the machine may be shared, a min is the stable figure
 # The 4-bit weights are what lets a model fit: a dense copy for many-row steps must not be what makes
 # it not fit (the KV cache, sized after the weights, takes its share of what is left).
 DENSE_COPY_RAM_SHARE = 0.25
-# The copies a probe cycles through add up to this, so each GEMM reads its weight from memory, as a
-# step does, not from a cache the previous trial filled.
-_COPY_PROBE_BYTES = 96 << 20
-_INT4_RUN = 8  # 4-bit products timed in a row, as a step's projections follow each other
 
 
 @dataclass(frozen=True)
@@ -196,11 +192,11 @@ def layout_matches() -> bool:
 def _from_memory(weight: torch.Tensor, fp16: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """The product with a dense copy of ``weight`` as a step computes it (``fp16``: FBGEMM's float16
     copy; else the packed oneDNN copy where this torch has one, else ``F.linear``), read from memory
-    as a step reads it: each call takes the next of enough copies (``_COPY_PROBE_BYTES``) that the
+    as a step reads it: each call takes the next of enough copies (``COPY_PROBE_BYTES``) that the
     previous calls have evicted it from the cache."""
     nbytes = weight.numel() * (2 if fp16 else weight.element_size())
     packed = None if fp16 else packed_kernel(weight.dtype)
-    count = -(-_COPY_PROBE_BYTES // nbytes)
+    count = -(-COPY_PROBE_BYTES // nbytes)
     copies = [pack_fp16(weight) if fp16 else weight.clone() if packed is None else packed.prepare(weight)
               for _ in range(count)]
     turn = [0]
@@ -212,38 +208,6 @@ def _from_memory(weight: torch.Tensor, fp16: bool = False) -> Callable[[torch.Te
         return F.linear(x, copies[turn[0]]) if packed is None else packed(x, copies[turn[0]])
 
     return linear
-
-
-def _int4_from_memory(weight: Int4Weight) -> Callable[[Callable[[Int4Weight], object]], None]:
-    """``run(product)``: ``_INT4_RUN`` 4-bit products in a row, as a decode step's projections follow each other,
-    each with the next of enough copies of ``weight`` (``_COPY_PROBE_BYTES``) that it reads its weight from
-    memory. Timed alone on one weight the cache kept, torch's kernel beat the GEMV at one row where, read from
-    memory product after product, the GEMV took 0.54-0.84x its time."""
-    count = -(-_COPY_PROBE_BYTES // weight.nbytes) + _INT4_RUN
-    copies = [replace(weight, packed=weight.packed.clone(), scale_zeros=weight.scale_zeros.clone())
-              for _ in range(count)]
-    turn = [0]
-
-    def run(product: Callable[[Int4Weight], object]) -> None:
-        start = turn[0]
-        turn[0] = (start + _INT4_RUN) % (count - _INT4_RUN)
-        for w in copies[start:start + _INT4_RUN]:
-            product(w)
-
-    return run
-
-
-def time_min(fns: list, trials: int = _TRIALS) -> list[float]:
-    """Seconds per call of each function: min over trials, the functions interleaved in each."""
-    best = [float("inf")] * len(fns)
-    for f in fns:
-        f()
-    for _ in range(trials):
-        for i, f in enumerate(fns):
-            t0 = time.perf_counter()
-            f()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
 
 
 def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int = 0,
@@ -280,7 +244,7 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
         from_fp16 = _from_memory(dense[torch.float32], fp16=True) if fp16_fits else None
 
         copies = [f for f in (from_copy, from_fp16) if f is not None]
-        int4_run = _int4_from_memory(weight)
+        int4_run = int4_from_memory(weight)
         gemv = load_int4_gemv()
         probes: list[tuple[int, float, float, float, float]] = []  # rows, int4, dequantized, copy, fp16 (s)
         gemv_detail: dict[int, tuple[float, float]] = {}  # rows: torch's int4 kernel, the GEMV (s)
@@ -292,10 +256,10 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
                 lambda: F.linear(xd, dense[dense_dtype]),
             ] + [lambda f=f: f(x if f is from_fp16 else xd) for f in copies]
               + ([lambda: int4_run(lambda w: gemv(xb, w))] if gemv is not None else []))
-            int4_s /= _INT4_RUN
+            int4_s /= INT4_RUN
             if gemv is not None:
                 *copy_s, gemv_s = copy_s
-                gemv_detail[rows] = (int4_s, gemv_s / _INT4_RUN)
+                gemv_detail[rows] = (int4_s, gemv_s / INT4_RUN)
             timed = dict(zip(copies, copy_s))
             probes.append((rows, int4_s, dequant_s[dense_dtype] + matmul_s, timed.get(from_copy, float("inf")),
                            timed.get(from_fp16, float("inf"))))
@@ -334,18 +298,6 @@ _PLANS: dict[tuple[tuple[int, int], bool, int], Int4Plan] = {}
 # Start-ups that ran beside a busy process (the frontend loading, a test) once timed the int4 kernel at
 # 5x its cost and served the whole model in float32: a verdict that int4 never wins is measured again.
 _PLAN_ATTEMPTS = 3
-
-
-@contextmanager
-def on_every_core() -> Iterator[None]:
-    """torch on every usable core for a start-up measurement: a step of more than a few rows on a real
-    model is a long step (evenflow/worker/threads.py), and the kernels scale differently with threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(usable_cores())
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int = 0) -> Int4Plan:

@@ -41,7 +41,7 @@ from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_
 from evenflow.worker.models.greedy_screen import load_greedy_screen
 from evenflow.worker.models.int4_gemv import TORCH_INT4_MM as _INT4_MM
 from evenflow.worker.models.int4_gemv import NO_GEMV, GemvRows, gemv_rows, int4_product, load_int4_gemv
-from evenflow.worker.models.int4_linear import on_every_core, time_min
+from evenflow.worker.models.kernel_timing import on_every_core, time_min
 from evenflow.worker.models.linear import Linear, PackedCpuLinear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack
 

@@ -12,7 +12,7 @@
 // From kAmxFromRows rows on, where the CPU has AMX, the same unpacking feeds AMX instead: a permuted load is
 // exactly one row of a VNNI B tile (16 weight rows x a column pair), so a group's 16 loads make four B tiles,
 // and one TDPBF16PS per tile multiplies them with up to 16 rows of x. VDPBF16PS's work grows with the rows
-// (4 instructions a load a row), AMX's barely: 6 rows cost 0.38-0.52x torch's kernel, 2 rows about what the
+// (4 instructions a load a row), AMX's barely: 6 rows cost 0.31-0.51x torch's kernel, 2 rows about what the
 // VDPBF16PS path costs (SmolLM2's shapes, 2-core Xeon, docs/results/quantization.md).
 #include <cstdint>
 #include <cstring>

@@ -7,7 +7,7 @@ A decode step of one row is a GEMV per projection, bound by the bytes of the wei
 the weight) and makes each value a bfloat16 number by two bit operations, so one VDPBF16PS multiplies 32
 values: the same bfloat16 activations, float32 sums, a bfloat16 result. Torch's kernel's time also grows
 with the rows (6 rows cost 2-3x one row); from 3 rows on, where the CPU has AMX, the same unpacked values
-are AMX tiles, and 16 rows cost about what 2 do (0.23-0.36x torch's kernel at 16 rows).
+are AMX tiles, and 16 rows cost about what 2 do (0.23-0.35x torch's kernel at 16 rows).
 
 Its sums run in another order than torch's, so its bits differ from torch's in the last place of some
 outputs; the Python layer loop and the fused one (models/fused_decode.py) call the same kernel for the same

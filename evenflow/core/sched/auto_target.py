@@ -60,18 +60,14 @@ class PromptStepEstimate:
     def __init__(self) -> None:
         self._estimates = np.zeros(PROMPT_STEP_WINDOW)
         self._count = 0
-
-    @property
-    def seconds(self) -> float:
-        """0.0 until ``PROMPT_STEP_MIN_SAMPLES`` steps were seen."""
-        if self._count < PROMPT_STEP_MIN_SAMPLES:
-            return 0.0
-        return float(np.median(self._estimates[:min(self._count, PROMPT_STEP_WINDOW)]))
+        self.seconds = 0.0  # the median, taken when an estimate comes in (read every step); 0.0 until enough
 
     def observe(self, prompt_s: float, work_tokens: float, budget_tokens: int) -> None:
         """A step whose prompt work (``work_tokens``: tokens through every layer) took ``prompt_s``."""
         self._estimates[self._count % PROMPT_STEP_WINDOW] = max(prompt_s, 0.0) * budget_tokens / work_tokens
         self._count += 1
+        if self._count >= PROMPT_STEP_MIN_SAMPLES:
+            self.seconds = float(np.median(self._estimates[:min(self._count, PROMPT_STEP_WINDOW)]))
 
 
 class AutoTarget:

@@ -99,7 +99,7 @@ class BudgetController(LayerGroupSizing):
     def __init__(self, target_s: float | None, max_tokens: int, max_model_len: int, max_requests: int) -> None:
         """``target_s`` None: the target is derived from the measured steps (``AutoTarget``)."""
         self.auto = AutoTarget() if target_s is None else None
-        self.target_s = self.auto.target_s if self.auto is not None else target_s
+        self._given_target_s = target_s
         self.aim = Aim()
         self.max_tokens = max_tokens
         self.model = StepTimeModel(max_tokens, max_model_len, max_requests)
@@ -120,6 +120,11 @@ class BudgetController(LayerGroupSizing):
         self._pending_layers: tuple[tuple[int, int], int, float] | None = None  # layer_group's, until record()
         self._bound_by = ""  # which rule set the last allowance
         self._log = BudgetLog()
+
+    @property
+    def target_s(self) -> float:
+        """The streams' target: the one given, or the one derived from the steps so far (``AutoTarget``)."""
+        return self.auto.target_s if self.auto is not None else self._given_target_s  # type: ignore[return-value]
 
     @property
     def layer_price(self) -> LayerPrice:
@@ -272,7 +277,8 @@ class BudgetController(LayerGroupSizing):
         if planned.layers and not planned.beside:
             self.layer_price.observe(planned.layer_key, seconds - max(planned.decodes_alone_s, 0.0), planned.layers,
                                      planned.layer_tokens)
-        if self.auto is not None and planned.has_prefill and not planned.beside:
+        if (self.auto is not None and planned.has_prefill and not planned.beside
+                and self.model.num_observations >= MIN_OBSERVATIONS):  # its decodes' share is the fit's
             self._follow_prompt_step(planned, seconds)
         if planned.has_decodes and planned.predicted_s > 0 and self.model.num_observations >= MIN_OBSERVATIONS:
             self.stats.count_step(planned.predicted_s, seconds, self.target_s)
@@ -325,8 +331,7 @@ class BudgetController(LayerGroupSizing):
                 stale = stale and not planned.beside
                 decode_s *= min(max(planned.decodes_alone_s / planned.predicted_s, 0.0), 1.0) if stale else 0.0
             if decode_s > 0:
-                self.auto.observe_decode_step(decode_s)
-                self.target_s = self.auto.target_s  # the aim keeps its share of a moved target
+                self.auto.observe_decode_step(decode_s)  # the aim keeps its share of a moved target
 
     def _follow_prompt_step(self, planned: _Planned, seconds: float) -> None:
         """Feed the derived target's prompt step (auto_target.py) a step whose prompt chunk (a layer group's
@@ -338,7 +343,6 @@ class BudgetController(LayerGroupSizing):
             return
         self.auto.prompt_step.observe(seconds - max(planned.decodes_alone_s, 0.0), planned.prefill_share,
                                       self.max_tokens)
-        self.target_s = self.auto.target_s  # the aim keeps its share of a moved target
 
     def fill_stats(self, stats: SchedulerStats) -> SchedulerStats:
         """Write the adaptive budget's part of the scheduler's stats."""

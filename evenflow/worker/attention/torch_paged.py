@@ -6,7 +6,9 @@ SDPA per prefill chunk.
 
 * Decodes on a bfloat16 cache on CPU (int4 projections' cache, ``--dtype bfloat16``): one call of a C++
   kernel for all of them, reading each request's blocks in place (cpu_decode.py); 0.24-0.73x the time of
-  PyTorch's attention with the gather below, per layer. Elsewhere, and where the kernel does not build:
+  PyTorch's attention with the gather below, per layer. Chunks on such a cache, where the CPU has AMX: one call
+  of a C++ kernel for all of them, their keys read in place (cpu_prefill.py); ~0.5x PyTorch's time on a
+  2048-token prompt. Elsewhere, and where the kernels do not build:
 * Decodes: each group's contexts are gathered block-wise into [B, L, Hkv, D] (L = the group's
   longest context rounded up to blocks) and attended in one call, with a padding mask. The runner
   sorts decodes by length, and they are cut into small contiguous groups
@@ -37,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from evenflow.worker.attention.base import AttentionBackend, AttentionInputs, KVCache, write_kv
 from evenflow.worker.attention.cpu_decode import PagedDecodeKernel
+from evenflow.worker.attention.cpu_prefill import PREFILL_KERNEL_MIN_ROWS, PagedPrefillKernel
 
 
 @dataclass
@@ -76,11 +79,21 @@ class _KernelDecodes:
 
 
 @dataclass
+class _KernelChunks:
+    """The step's chunks (requests [num_decodes, num_reqs)) for the C++ prefill kernel, which reads their
+    keys in place."""
+
+    chunks: torch.Tensor  # PagedPrefillKernel.chunk_table
+    block_table: torch.Tensor  # [num_reqs, >= blocks] int32
+
+
+@dataclass
 class TorchAttentionPlan:
     slot_mapping: torch.Tensor
     decode_groups: list[_DecodeGroup]
     chunks: list[_ChunkPlan]
     kernel_decodes: _KernelDecodes | None = None
+    kernel_chunks: _KernelChunks | None = None
 
 
 # Decodes are attended in groups whose gathered K/V stay cache-resident (about L2-sized): one
@@ -121,8 +134,10 @@ class TorchPagedAttention(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  kv_dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, kv_dtype, device)
-        # A bfloat16 cache on CPU: decodes by the C++ kernel (cpu_decode.py), where it builds.
+        # A bfloat16 cache on CPU: decodes and chunks by the C++ kernels (cpu_decode.py, cpu_prefill.py), where
+        # they build (the prefill kernel: with AMX).
         self.decode_kernel = PagedDecodeKernel(num_heads, num_kv_heads, head_dim, kv_dtype, self.device)
+        self.prefill_kernel = PagedPrefillKernel(num_heads, num_kv_heads, head_dim, kv_dtype, self.device)
 
     def plan(self, inputs: AttentionInputs) -> TorchAttentionPlan:
         device = inputs.slot_mapping.device
@@ -152,10 +167,15 @@ class TorchPagedAttention(AttentionBackend):
                 mask = self._additive(visible).view(end - start, 1, 1, -1)
                 groups.append(_DecodeGroup(start, end, nb, block_ids, mask))
         chunks: list[_ChunkPlan] = []
+        kernel_rows: list[tuple[int, int, int, int]] = []  # PagedPrefillKernel.chunk_table's
+        takes_kernel = self.prefill_kernel.available and bs % 16 == 0 and device.type == "cpu"
         for i in range(nd, inputs.num_reqs):
             start, end = int(qsl[i]), int(qsl[i + 1])
             q_len = end - start
             context_len = int(seq_lens[i])
+            if takes_kernel and q_len >= PREFILL_KERNEL_MIN_ROWS:
+                kernel_rows.append((start, q_len, context_len, i))
+                continue
             if context_len == q_len:
                 chunks.append(_ChunkPlan(start, end, context_len, None, None))
                 continue
@@ -176,7 +196,10 @@ class TorchPagedAttention(AttentionBackend):
             q_pos = torch.arange(context_len - q_len, context_len, device=device)
             visible = torch.arange(context_len, device=device)[None, :] <= q_pos[:, None]
             chunks.append(_ChunkPlan(start, end, context_len, block_ids, self._additive(visible)))
-        return TorchAttentionPlan(inputs.slot_mapping, groups, chunks, kernel_decodes)
+        kernel_chunks = None
+        if kernel_rows:
+            kernel_chunks = _KernelChunks(PagedPrefillKernel.chunk_table(kernel_rows), inputs.block_table)
+        return TorchAttentionPlan(inputs.slot_mapping, groups, chunks, kernel_decodes, kernel_chunks)
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         """Bool mask -> additive float mask (0 / -inf), built once per step rather than converted
@@ -192,11 +215,14 @@ class TorchPagedAttention(AttentionBackend):
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
         k_cache, v_cache = kv_cache
-        whole = len(plan.decode_groups) == 1 and not plan.chunks
+        whole = len(plan.decode_groups) == 1 and not plan.chunks and plan.kernel_chunks is None
         out = None if whole else torch.empty(num_tokens, self.num_heads * d, dtype=q.dtype, device=q.device)
         if plan.kernel_decodes is not None:
             kd = plan.kernel_decodes
             self.decode_kernel(q[: kd.num], k_cache, v_cache, kd.block_table, kd.seq_lens, out, self.scale)
+        if plan.kernel_chunks is not None:
+            kc = plan.kernel_chunks
+            self.prefill_kernel(q, k_cache, v_cache, kc.block_table, kc.chunks, out, self.scale)
         for g in plan.decode_groups:
             b = g.end - g.start
             length = g.blocks_per_req * k_cache.shape[1]

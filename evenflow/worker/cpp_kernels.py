@@ -16,6 +16,10 @@ from pathlib import Path
 
 log = logging.getLogger("evenflow.worker.cpp_kernels")
 
+# Whether a process may use AMX tiles, and loading their configuration: the first source of the kernels that
+# use them (load_cpp_sources).
+AMX_TILES_SOURCE = Path(__file__).with_name("amx_tiles.cpp")
+
 _loaded: dict[tuple[Path, ...], ctypes.CDLL | None] = {}
 
 

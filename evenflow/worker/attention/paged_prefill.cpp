@@ -3,8 +3,10 @@
 // in one call per layer. See evenflow/worker/attention/cpu_prefill.py for where it runs and what it measured.
 //
 // Per (chunk, query head, tile of 16 query rows), flash-attention style over blocks of keys: S = Q K^T on AMX
-// (Q's rows as resident A tiles, K as VNNI B tiles), an online softmax in float32 on AVX-512 (exp2 by a
-// polynomial and VSCALEFPS), O += P V on AMX (P in bfloat16 as an A tile, V as VNNI B tiles), O kept in float32.
+// (Q's rows as A tiles, K as VNNI B tiles), an online softmax in float32 on AVX-512 (exp2 by a polynomial and
+// VSCALEFPS), O += P V on AMX (P in bfloat16 as an A tile, V as VNNI B tiles), O kept in float32; the tile
+// programs per head size are prefill_tiles.cpp's. Up to four tiles of a head take each block of keys in turn,
+// so that it is read from memory once for them.
 // A row's running maximum moves only when a block's exceeds it by kSlack (in log2 units): the probabilities
 // then stay below 2^kSlack, and O and the sums are rescaled a few times a row instead of every block.
 // K and V are packed per (chunk, KV head) first, once for the query heads that share them: K's 16 x 16 blocks
@@ -14,13 +16,6 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-
-// GCC 11 and later (the target pragma gives every function below, lambdas included, the instructions);
-// elsewhere the kernel refuses every call and PyTorch's attention serves.
-#if defined(__x86_64__) && !defined(__clang__) && __GNUC__ >= 11
-#define EVENFLOW_PREFILL_AMX 1
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -48,105 +43,11 @@ struct Args {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16")
 
-// Tiles for head size D: Q's D / 32 A tiles stay loaded; one B tile (K, then V), one A tile (P), the rest C.
-// GCC's tile intrinsics paste the tile number into their assembly, so the ids are literals in the
-// specializations below.
-template <int D>
-struct Tiles {
-  static constexpr int kKeys = D == 64 ? 64 : 32;  // keys a block: one C tile of scores per 16
-  static constexpr int kScores = kKeys / 16;
-};
-
-// D = 64: Q 0-1, B 2, P 3, C 4-7 (four of scores; then four of O, all 64 columns in one pass).
-#define EVENFLOW_SCORE_64(C, st)                                   \
-  _tile_zero(C);                                                   \
-  _tile_loadd(2, kp + ((kb / 16 + st) * 2 + 0) * 256, 64);         \
-  _tile_dpbf16ps(C, 0, 2);                                         \
-  _tile_loadd(2, kp + ((kb / 16 + st) * 2 + 1) * 256, 64);         \
-  _tile_dpbf16ps(C, 1, 2);                                         \
-  _tile_stored(C, &s[st * 16], 64 * 4);
-#define EVENFLOW_PV_64(C, g)                                       \
-  _tile_loadd(2, vp + ((kb / 32 + h) * 4 + g) * 512, 64);          \
-  _tile_dpbf16ps(C, 3, 2);
-
-template <int D>
-void load_q(const uint16_t* q);
-template <int D>
-void score_block(const uint32_t* kp, int64_t kb, float* s);
-template <int D>
-void add_pv(const uint16_t* vp, int64_t kb, const uint16_t* p, float* o);
-
-template <>
-void load_q<64>(const uint16_t* q) {
-  _tile_loadd(0, q, 64 * 2);
-  _tile_loadd(1, q + 32, 64 * 2);
-}
-template <>
-void score_block<64>(const uint32_t* kp, int64_t kb, float* s) {
-  EVENFLOW_SCORE_64(4, 0) EVENFLOW_SCORE_64(5, 1) EVENFLOW_SCORE_64(6, 2) EVENFLOW_SCORE_64(7, 3)
-}
-template <>
-void add_pv<64>(const uint16_t* vp, int64_t kb, const uint16_t* p, float* o) {
-  _tile_loadd(4, o, 64 * 4); _tile_loadd(5, o + 16, 64 * 4); _tile_loadd(6, o + 32, 64 * 4); _tile_loadd(7, o + 48, 64 * 4);
-  for (int64_t h = 0; h < 2; ++h) {
-    _tile_loadd(3, p + h * 32, 64 * 2);
-    EVENFLOW_PV_64(4, 0) EVENFLOW_PV_64(5, 1) EVENFLOW_PV_64(6, 2) EVENFLOW_PV_64(7, 3)
-  }
-  _tile_stored(4, o, 64 * 4); _tile_stored(5, o + 16, 64 * 4); _tile_stored(6, o + 32, 64 * 4); _tile_stored(7, o + 48, 64 * 4);
-}
-
-// D = 128: Q 0-3, B 4, P 5, C 6-7 (two of scores; then two of O, four passes over the 128 columns).
-#define EVENFLOW_SCORE_128(C, st)                                  \
-  _tile_zero(C);                                                   \
-  _tile_loadd(4, kp + ((kb / 16 + st) * 4 + 0) * 256, 64);         \
-  _tile_dpbf16ps(C, 0, 4);                                         \
-  _tile_loadd(4, kp + ((kb / 16 + st) * 4 + 1) * 256, 64);         \
-  _tile_dpbf16ps(C, 1, 4);                                         \
-  _tile_loadd(4, kp + ((kb / 16 + st) * 4 + 2) * 256, 64);         \
-  _tile_dpbf16ps(C, 2, 4);                                         \
-  _tile_loadd(4, kp + ((kb / 16 + st) * 4 + 3) * 256, 64);         \
-  _tile_dpbf16ps(C, 3, 4);                                         \
-  _tile_stored(C, &s[st * 16], 32 * 4);
-
-template <>
-void load_q<128>(const uint16_t* q) {
-  _tile_loadd(0, q, 128 * 2); _tile_loadd(1, q + 32, 128 * 2); _tile_loadd(2, q + 64, 128 * 2); _tile_loadd(3, q + 96, 128 * 2);
-}
-template <>
-void score_block<128>(const uint32_t* kp, int64_t kb, float* s) {
-  EVENFLOW_SCORE_128(6, 0) EVENFLOW_SCORE_128(7, 1)
-}
-template <>
-void add_pv<128>(const uint16_t* vp, int64_t kb, const uint16_t* p, float* o) {
-  _tile_loadd(5, p, 32 * 2);
-  for (int64_t g = 0; g < 8; g += 2) {
-    _tile_loadd(6, o + g * 16, 128 * 4); _tile_loadd(7, o + g * 16 + 16, 128 * 4);
-    _tile_loadd(4, vp + ((kb / 32) * 8 + g) * 512, 64); _tile_dpbf16ps(6, 5, 4);
-    _tile_loadd(4, vp + ((kb / 32) * 8 + g + 1) * 512, 64); _tile_dpbf16ps(7, 5, 4);
-    _tile_stored(6, o + g * 16, 128 * 4); _tile_stored(7, o + g * 16 + 16, 128 * 4);
-  }
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {  // every tile here is 16 rows of 64 bytes
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));  // not _tile_loadconfig: see models/int4_gemv.cpp
-}
-
 // 2^x in float32 for x <= kSlack, within 5e-5 of it relatively (P is rounded to bfloat16, 2e-3): a degree-4
-// polynomial (Taylor's) on the fraction, the exponent by VSCALEFPS.
+// polynomial (Taylor's) on the fraction, the exponent by VSCALEFPS. Below 2^-100 (nothing beside the row's
+// largest term, 1) x is clamped: no -inf, and no denormal results, which cost the CPU microcode assists.
 inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(9.618129107628477e-3f);  // ln(2)^k / k!, k = 4..0
@@ -201,28 +102,36 @@ void pack_keys(const Args& a, const Chunk& c, int64_t kvh, int64_t b, uint32_t* 
   }
 }
 
-// Query rows [i0, i0 + 16) of chunk c, head hq, against its packed keys (kp, vp).
+// 16 query rows of one head: their queries, their output so far and their softmax's running maximum and sums.
 template <int D>
-void attend_rows(const Args& a, const Chunk& c, int64_t hq, int64_t i0, const uint32_t* kp, const uint16_t* vp) {
-  using T = Tiles<D>;
-  const int64_t m = std::min(kRows, c.n - i0);
+struct RowTile16 {
   alignas(64) uint16_t q[kRows][D];
-  for (int64_t r = 0; r < kRows; ++r) {
-    if (r < m) std::memcpy(q[r], a.q + (c.q_start + i0 + r) * a.q_stride + hq * D, D * sizeof(uint16_t));
-    else std::memset(q[r], 0, sizeof q[r]);
-  }
-  load_q<D>(&q[0][0]);
-  alignas(64) float s[kRows][T::kKeys];
-  alignas(64) uint16_t p[kRows][T::kKeys];
-  alignas(64) float o[kRows][D] = {};
-  float row_max[kRows];
-  std::fill(row_max, row_max + kRows, -INFINITY);
+  alignas(64) float o[kRows][D];
   __m512 row_sum[kRows];
-  for (auto& v : row_sum) v = _mm512_setzero_ps();
-  const float log2_scale = a.scale * 1.4426950408889634f;
-  const int64_t first_pos = c.ctx - c.n + i0;  // row r's position: first_pos + r; it sees keys <= that
-  for (int64_t kb = 0; kb < first_pos + m; kb += T::kKeys) {
-    score_block<D>(kp, kb, &s[0][0]);
+  float row_max[kRows];
+  int64_t first_pos, m;  // row r's position: first_pos + r (it sees keys <= that); rows m on are padding
+
+  void start(const Args& a, const Chunk& c, int64_t hq, int64_t i0) {
+    m = std::min(kRows, c.n - i0);
+    first_pos = c.ctx - c.n + i0;
+    for (int64_t r = 0; r < kRows; ++r) {
+      if (r < m) std::memcpy(q[r], a.q + (c.q_start + i0 + r) * a.q_stride + hq * D, D * sizeof(uint16_t));
+      else std::memset(q[r], 0, sizeof q[r]);
+      row_max[r] = -INFINITY;
+      row_sum[r] = _mm512_setzero_ps();
+    }
+    std::memset(o, 0, sizeof o);
+  }
+
+  int64_t keys() const { return first_pos + m; }
+
+  // Keys [kb, kb + kKeys): scores, the online softmax, O += P V; s and p are scratch.
+  void attend(const uint32_t* kp, const uint16_t* vp, int64_t kb, float log2_scale, float* s_flat, uint16_t* p_flat) {
+    using T = Tiles<D>;
+    auto s = reinterpret_cast<float(*)[T::kKeys]>(s_flat);
+    auto p = reinterpret_cast<uint16_t(*)[T::kKeys]>(p_flat);
+    load_q<D>(&q[0][0]);
+    score_block<D>(kp, kb, s_flat);
     const bool masked = kb + T::kKeys > first_pos + 1;
     for (int64_t r = 0; r < kRows; ++r) {
       __mmask16 valid[T::kScores];
@@ -253,21 +162,47 @@ void attend_rows(const Args& a, const Chunk& c, int64_t hq, int64_t i0, const ui
         _mm512_store_si512(&p[r][j * 16], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
       }
     }
-    add_pv<D>(vp, kb, &p[0][0], &o[0][0]);
+    add_pv<D>(vp, kb, p_flat, &o[0][0]);
   }
-  for (int64_t r = 0; r < m; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(row_sum[r]));
-    uint16_t* dst = a.out + (c.q_start + i0 + r) * a.out_stride + hq * D;
-    for (int d = 0; d < D; d += 32) {
-      const __m512 lo = _mm512_mul_ps(_mm512_load_ps(&o[r][d]), inv);
-      const __m512 hi = _mm512_mul_ps(_mm512_load_ps(&o[r][d + 16]), inv);
-      _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+
+  void finish(const Args& a, const Chunk& c, int64_t hq, int64_t i0) const {
+    for (int64_t r = 0; r < m; ++r) {
+      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(row_sum[r]));
+      uint16_t* dst = a.out + (c.q_start + i0 + r) * a.out_stride + hq * D;
+      for (int d = 0; d < D; d += 32) {
+        const __m512 lo = _mm512_mul_ps(_mm512_load_ps(&o[r][d]), inv);
+        const __m512 hi = _mm512_mul_ps(_mm512_load_ps(&o[r][d + 16]), inv);
+        _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
     }
   }
+};
+
+constexpr int64_t kTilesAtOnce = 4;  // row tiles of one head that share each block of keys while it is in L1
+
+// Rows [i0, i0 + 16 * tiles) of chunk c, head hq, against its packed keys (kp, vp): each block of keys is read
+// from memory once for all the tiles (at 8,192 keys a tile at a time spent the time reading them).
+template <int D>
+void attend_rows(const Args& a, const Chunk& c, int64_t hq, int64_t i0, int64_t tiles, const uint32_t* kp,
+                 const uint16_t* vp) {
+  using T = Tiles<D>;
+  RowTile16<D> rows[kTilesAtOnce];
+  alignas(64) float s[kRows * T::kKeys];
+  alignas(64) uint16_t p[kRows * T::kKeys];
+  const float log2_scale = a.scale * 1.4426950408889634f;
+  int64_t keys = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    rows[t].start(a, c, hq, i0 + t * kRows);
+    keys = std::max(keys, rows[t].keys());
+  }
+  for (int64_t kb = 0; kb < keys; kb += T::kKeys)
+    for (int64_t t = 0; t < tiles; ++t)
+      if (kb < rows[t].keys()) rows[t].attend(kp, vp, kb, log2_scale, s, p);
+  for (int64_t t = 0; t < tiles; ++t) rows[t].finish(a, c, hq, i0 + t * kRows);
 }
 
-struct RowTile {
-  int64_t chunk, head, i0, keys;
+struct Work {
+  int64_t chunk, head, i0, tiles, keys;  // packing: (chunk, KV head, 32-key block) in the first three
 };
 
 template <int D>
@@ -284,15 +219,22 @@ void prefill(const Args& a, int threads) {
     kp = reinterpret_cast<uint32_t*>(base + offset[c] + kvh * keys * D * 2);
     vp = base + offset[c] + kvh * keys * D * 2 + keys * D;
   };
-  std::vector<RowTile> packs, tiles;  // packs: (chunk, KV head, 32-key block) in RowTile's fields
+  int64_t row_tiles = 0;
+  for (int64_t c = 0; c < a.num_chunks; ++c) row_tiles += a.heads * ((a.chunks[c].n + kRows - 1) / kRows);
+  // Tiles that share blocks of keys, where that still leaves every thread several items.
+  const int64_t at_once = row_tiles >= 8 * kTilesAtOnce * threads ? kTilesAtOnce : 1;
+  std::vector<Work> packs, tiles;
   for (int64_t c = 0; c < a.num_chunks; ++c) {
     const Chunk& ch = a.chunks[c];
     for (int64_t kvh = 0; kvh < a.kv_heads; ++kvh)
-      for (int64_t b = 0; b < (ch.ctx + kPad - 1) / kPad * kPad / 32; ++b) packs.push_back({c, kvh, b, 0});
+      for (int64_t b = 0; b < (ch.ctx + kPad - 1) / kPad * kPad / 32; ++b) packs.push_back({c, kvh, b, 0, 0});
     for (int64_t h = 0; h < a.heads; ++h)
-      for (int64_t i0 = 0; i0 < ch.n; i0 += kRows) tiles.push_back({c, h, i0, ch.ctx - ch.n + i0});
+      for (int64_t i0 = 0; i0 < ch.n; i0 += kRows * at_once) {
+        const int64_t n = std::min(kRows * at_once, ch.n - i0);
+        tiles.push_back({c, h, i0, (n + kRows - 1) / kRows, ch.ctx - ch.n + i0 + n});
+      }
   }
-  std::sort(tiles.begin(), tiles.end(), [](const RowTile& x, const RowTile& y) { return x.keys > y.keys; });
+  std::sort(tiles.begin(), tiles.end(), [](const Work& x, const Work& y) { return x.keys * x.tiles > y.keys * y.tiles; });
   const int64_t group = a.heads / a.kv_heads;
 #pragma omp parallel num_threads(threads)
   {
@@ -309,43 +251,23 @@ void prefill(const Args& a, int threads) {
       uint32_t* kp;
       uint16_t* vp;
       packed(tiles[i].chunk, tiles[i].head / group, kp, vp);
-      attend_rows<D>(a, a.chunks[tiles[i].chunk], tiles[i].head, tiles[i].i0, kp, vp);
+      attend_rows<D>(a, a.chunks[tiles[i].chunk], tiles[i].head, tiles[i].i0, tiles[i].tiles, kp, vp);
     }
     _tile_release();
   }
 }
 
 #pragma GCC pop_options
-
-bool amx_allowed_here();
 #endif
 
 }  // namespace
-
-#ifdef EVENFLOW_PREFILL_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
-
-namespace {
-bool amx_allowed_here() {
-  static const bool ok = [] {
-    if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512dq")) return false;
-    unsigned a, b, c, d;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // AMX-BF16, AMX-TILE
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  }();
-  return ok;
-}
-}  // namespace
-#endif
 
 extern "C" {
 
 // 1 where this CPU and build run the kernel (AMX, AVX-512 BF16), else 0.
 int evenflow_paged_prefill_supported() {
 #ifdef EVENFLOW_PREFILL_AMX
-  return amx_allowed_here() ? 1 : 0;
+  return amx_allowed() ? 1 : 0;
 #else
   return 0;
 #endif

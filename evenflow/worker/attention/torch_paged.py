@@ -7,7 +7,7 @@ SDPA per prefill chunk.
 * Decodes on a bfloat16 cache on CPU (int4 projections' cache, ``--dtype bfloat16``): one call of a C++
   kernel for all of them, reading each request's blocks in place (cpu_decode.py); 0.24-0.73x the time of
   PyTorch's attention with the gather below, per layer. Chunks on such a cache, where the CPU has AMX: one call
-  of a C++ kernel for all of them, their keys read in place (cpu_prefill.py); ~0.5x PyTorch's time on a
+  of a C++ kernel for all of them, their keys read in place (cpu_prefill.py); 0.42x PyTorch's time on a
   2048-token prompt. Elsewhere, and where the kernels do not build:
 * Decodes: each group's contexts are gathered block-wise into [B, L, Hkv, D] (L = the group's
   longest context rounded up to blocks) and attended in one call, with a padding mask. The runner

@@ -25,7 +25,7 @@ import torch
 from evenflow.worker.attention.cpu_decode import SOURCE as ATTENTION_SOURCE
 from evenflow.worker.attention.torch_paged import TorchAttentionPlan
 from evenflow.worker.cpp_kernels import load_cpp_sources
-from evenflow.worker.models.int4_gemv import SOURCE as GEMV_SOURCE
+from evenflow.worker.models.int4_gemv import SOURCES as GEMV_SOURCES
 from evenflow.worker.models.int4_linear import Int4CpuLinear, packed_copy
 from evenflow.worker.models.layer_glue import SOURCE as GLUE_SOURCE
 from evenflow.worker.models.layer_glue import LayerGlue
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from evenflow.worker.models.linear import Linear
     from evenflow.worker.models.llama import LlamaModel
 
-_SOURCES = [GLUE_SOURCE, ATTENTION_SOURCE, GEMV_SOURCE, Path(__file__).with_name("fused_decode.cpp")]
+_SOURCES = [GLUE_SOURCE, ATTENTION_SOURCE, *GEMV_SOURCES, Path(__file__).with_name("fused_decode.cpp")]
 _KERNELS = {"int4": 0, "dense": 1, "gemv": 2}  # fused_decode.cpp's Kernel
 
 

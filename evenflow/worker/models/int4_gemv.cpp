@@ -24,8 +24,6 @@
 #if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define EVENFLOW_INT4_GEMV 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace {
@@ -153,26 +151,6 @@ __attribute__((target(EVENFLOW_AVX512))) void gemv_tile(const uint16_t* x, const
   store_rows(&total[0][0][0], R, first, n, y);
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool amx_allowed() {
-  static const bool ok = [] {
-    if (!__builtin_cpu_supports("avx512bf16")) return false;
-    unsigned a, b, c, d;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
-    if (!amx_bf16 || !amx_tile) return false;
-    // Linux hands a process the tile registers' state on request (5.16 and later); elsewhere this fails.
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  }();
-  return ok;
-}
-
 // The 64 output rows of tile ``t`` for ``rows`` (<= 16) rows of x, by AMX: per group of 32 columns the 16
 // unpacked loads are stored as four B tiles (one a lane set), each multiplied with x's 32 columns into a fresh
 // C tile (the group's dot products), then scaled into the totals as in gemv_tile. Tiles: 0 x, 1 and 6 B,
@@ -219,9 +197,7 @@ __attribute__((target("amx-tile"))) void amx_configure(int rows) {
   cfg.rows[0] = rows; cfg.colsb[0] = 64;              // A: rows of x, 32 columns
   cfg.rows[1] = cfg.rows[6] = 16; cfg.colsb[1] = cfg.colsb[6] = 64;  // B: 16 column pairs x 16 weight rows
   for (int j = 2; j < 6; ++j) { cfg.rows[j] = rows; cfg.colsb[j] = 64; }  // C: rows x 16 float32
-  // Not _tile_loadconfig: GCC 12's tells the compiler it reads 8 bytes, and the rows and widths set above
-  // were dropped as dead stores.
-  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+  load_tile_config(cfg);
 }
 
 __attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
@@ -233,7 +209,6 @@ bool int4_gemv_supported() {
 }
 #else
 bool int4_gemv_supported() { return false; }
-bool amx_allowed() { return false; }
 #endif
 
 // y [rows, n] = x [rows, k] @ W.T, all bfloat16 row-major; 0, or -1 where the CPU (or the compiler) or the

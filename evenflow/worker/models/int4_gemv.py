@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from evenflow.worker.cpp_kernels import load_cpp
+from evenflow.worker.cpp_kernels import AMX_TILES_SOURCE, load_cpp_sources
 from evenflow.worker.models.q4_blocks import GROUP, Int4Weight, Q4Rows, pack, pack_tile_rows
 
 log = logging.getLogger("evenflow.worker.int4")
 
-SOURCE = Path(__file__).with_name("int4_gemv.cpp")
+SOURCES = [AMX_TILES_SOURCE, Path(__file__).with_name("int4_gemv.cpp")]
 # Torch's int4 kernel, the overload itself (calling it skips the overload resolution of torch.ops.aten.<name>);
 # None in a torch without it.
 TORCH_INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
@@ -127,7 +127,7 @@ def load_int4_gemv() -> Int4Gemv | None:
         log.info("int4 GEMV off: torch packs int4 in %s-row tiles here, the kernel reads %d", pack_tile_rows(),
                  _TILE_ROWS)
         return None
-    lib = load_cpp(SOURCE, "few-row products with 4-bit weights", _bind)
+    lib = load_cpp_sources(SOURCES, "few-row products with 4-bit weights", _bind)
     if lib is None:
         return None
     if not lib.evenflow_int4_gemv_supported():

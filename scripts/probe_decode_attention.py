@@ -26,6 +26,7 @@ import torch
 
 from evenflow.worker.attention.base import AttentionInputs
 from evenflow.worker.attention.torch_paged import TorchPagedAttention
+from evenflow.worker.synthetic_steps import synthetic_step
 
 BLOCK = 16
 _FLUSH = torch.zeros(0, dtype=torch.uint8)
@@ -45,16 +46,7 @@ def _seconds(fn: Callable[[], object], calls: int, cold: bool) -> float:
 
 def decode_inputs(batch: int, context: int) -> AttentionInputs:
     """``batch`` decodes of ``context`` tokens (the new one's included), each on a range of block ids."""
-    nb = -(-context // BLOCK)
-    table = np.arange(batch * nb, dtype=np.int32).reshape(batch, nb)
-    seq_lens = np.full(batch, context, dtype=np.int32)
-    qsl = np.arange(batch + 1, dtype=np.int32)
-    slots = (table[:, (context - 1) // BLOCK].astype(np.int64) * BLOCK + (context - 1) % BLOCK)
-    return AttentionInputs(num_tokens=batch, num_reqs=batch, num_decodes=batch, max_query_len=1,
-                           max_seq_len=context, block_size=BLOCK, query_start_loc=torch.from_numpy(qsl),
-                           seq_lens=torch.from_numpy(seq_lens), block_table=torch.from_numpy(table),
-                           slot_mapping=torch.from_numpy(slots), query_start_loc_np=qsl, seq_lens_np=seq_lens,
-                           block_table_np=table)
+    return synthetic_step([1] * batch, [context] * batch, BLOCK, torch.device("cpu")).attn
 
 
 def layer_table(args: argparse.Namespace) -> None:

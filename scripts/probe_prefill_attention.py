@@ -21,12 +21,12 @@ import argparse
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from evenflow.protocol import NewRequestData, SamplingParams, SchedulerOutput
 from evenflow.worker.attention.base import AttentionInputs
 from evenflow.worker.attention.torch_paged import TorchPagedAttention
+from evenflow.worker.synthetic_steps import synthetic_step
 
 BLOCK = 16
 
@@ -43,17 +43,7 @@ def _best(fn: Callable[[], object], calls: int) -> float:
 
 def chunk_inputs(new: int, context: int) -> AttentionInputs:
     """One chunk of ``new`` tokens ending a ``context``-token context, its blocks one range of ids."""
-    nb = -(-context // BLOCK)
-    table = np.arange(nb, dtype=np.int32)[None]
-    seq_lens = np.array([context], dtype=np.int32)
-    qsl = np.array([0, new], dtype=np.int32)
-    pos = np.arange(context - new, context)
-    slots = table[0, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK
-    return AttentionInputs(num_tokens=new, num_reqs=1, num_decodes=0, max_query_len=new, max_seq_len=context,
-                           block_size=BLOCK, query_start_loc=torch.from_numpy(qsl),
-                           seq_lens=torch.from_numpy(seq_lens), block_table=torch.from_numpy(table),
-                           slot_mapping=torch.from_numpy(slots), query_start_loc_np=qsl, seq_lens_np=seq_lens,
-                           block_table_np=table)
+    return synthetic_step([new], [context], BLOCK, torch.device("cpu")).attn
 
 
 def layer_table(args: argparse.Namespace) -> None:

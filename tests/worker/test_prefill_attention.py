@@ -97,3 +97,35 @@ def test_backend_sends_the_chunks_of_a_bfloat16_step_to_the_kernel(long: bool, r
     # Blocks of 4 tokens split the kernel's 16-key tiles: PyTorch's attention takes the chunks.
     plan = check_backend(TorchPagedAttention, 4, "cpu", atol=3e-2, dtype=torch.bfloat16, dims=(9, 3, 64))
     assert plan.kernel_chunks is None and plan.chunks
+
+
+def test_prefill_kernel_rescales_as_the_running_maximum_climbs_and_is_thread_invariant() -> None:
+    """Keys whose scores grow along the context (each block's maximum passes the running one by more than the
+    kernel's slack, 2^8, again and again: its rescale path) and a key far above the rest (one term dominates);
+    the same bits on 1, 2 and 3 threads (each row tile is computed by one thread in one order)."""
+    heads, hkv, d, n = 4, 2, 64, 200
+    kernel = _kernel(heads, hkv, d)
+    kc, vc, table, q = _case(heads, hkv, d, [(n, n)], seed=5)
+    ids = table[0, : -(-n // 16)].long()
+    keys = kc[ids].view(-1, hkv, d).float()  # the blocks' slots, past the context's end too
+    ramp = torch.linspace(0.2, 12.0, len(keys))[:, None, None]  # scores up to ~60x the first keys'
+    keys = keys.abs() * ramp
+    keys[97] *= 3.0
+    kc[ids] = keys.bfloat16().view(-1, 16, hkv, d)
+    q = q.abs()  # every score grows with the ramp
+    chunk = kernel.chunk_table([(0, n, n, 0)])
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.empty(n, heads * d, dtype=torch.bfloat16)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            kernel(q, kc, vc, table, chunk, out, d**-0.5)
+        finally:
+            torch.set_num_threads(previous)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    exact = _reference(q, kc, vc, table[0], n, torch.float64)
+    torch_error = (_reference(q, kc, vc, table[0], n, torch.bfloat16).double() - exact).abs().max()
+    error = (outs[0].double() - exact).abs().max()
+    assert error <= max(2 * torch_error, 1e-2), (float(error), float(torch_error))

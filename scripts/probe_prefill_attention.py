@@ -18,27 +18,16 @@ The variants alternate order over ``--rounds``; the best round is kept. SmolLM2-
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 
 from evenflow.protocol import NewRequestData, SamplingParams, SchedulerOutput
 from evenflow.worker.attention.base import AttentionInputs
 from evenflow.worker.attention.torch_paged import TorchPagedAttention
+from evenflow.worker.models.kernel_timing import time_min
 from evenflow.worker.synthetic_steps import synthetic_step
 
 BLOCK = 16
-
-
-def _best(fn: Callable[[], object], calls: int) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def chunk_inputs(new: int, context: int) -> AttentionInputs:
@@ -67,9 +56,10 @@ def layer_table(args: argparse.Namespace) -> None:
             for on in (False, True) if r % 2 == 0 else (True, False):
                 backend.prefill_kernel._fn = kernel_fn if on else None
                 plan = backend.plan(inputs)
-                s = _best(lambda: backend.forward(q, k, v, caches, plan), args.calls)
+                s = time_min([lambda: backend.forward(q, k, v, caches, plan)], args.calls)[0]
                 best[on] = min(best.get(on, s), s)
-        print(f"| {new} | {context} | {best[False] * 1e3:.3f} | {best[True] * 1e3:.3f} | {best[True] / best[False]:.2f} |")
+        off, on = best[False], best[True]
+        print(f"| {new} | {context} | {off * 1e3:.3f} | {on * 1e3:.3f} | {on / off:.2f} |")
     backend.prefill_kernel._fn = kernel_fn
 
 
@@ -100,7 +90,7 @@ def prompt_table(args: argparse.Namespace) -> None:
         for on in (False, True) if r % 2 == 0 else (True, False):
             kernel._fn = kernel_fn if on else None
             for n in prompts:
-                s = _best(lambda: prefill(n), max(args.calls // 10, 2))
+                s = time_min([lambda: prefill(n)], max(args.calls // 10, 2))[0]
                 best[(on, n)] = min(best.get((on, n), s), s)
     kernel._fn = kernel_fn
     print(f"{args.model}: a lone prompt in one step, {args.threads} threads, best of {args.rounds} rounds\n"

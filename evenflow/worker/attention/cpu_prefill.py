@@ -29,7 +29,7 @@ HEAD_DIMS = (64, 128)
 # Chunks of fewer rows (a speculative check, a prompt's last few tokens) keep PyTorch's attention: the kernel
 # packs the chunk's whole context first, and at 6 rows over 2,048 keys that took as long as PyTorch's two calls.
 PREFILL_KERNEL_MIN_ROWS = 8
-SOURCES = [AMX_TILES_SOURCE, Path(__file__).with_name("prefill_tiles.cpp"), Path(__file__).with_name("paged_prefill.cpp")]
+SOURCES = [AMX_TILES_SOURCE, *(Path(__file__).with_name(name) for name in ("prefill_tiles.cpp", "paged_prefill.cpp"))]
 
 log = logging.getLogger("evenflow.worker.attention.cpu_prefill")
 

@@ -67,6 +67,11 @@ inline const uint16_t* cache_row(const Args& a, const uint16_t* cache, const int
   return cache + (slot * a.kv_heads + kvh) * D;
 }
 
+// Columns [16 g, 16 g + 16) of a cache row; zeros for no row (a key past the context).
+inline __m256i sixteen(const uint16_t* row, int64_t g) {
+  return row ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 16)) : _mm256_setzero_si256();
+}
+
 // Keys [32 b, 32 b + 32) of one KV head: K as two 16-key tiles of D / 32 VNNI B tiles each (row p: the keys'
 // bfloat16 pair p of that tile's 32 columns), V as D / 16 B tiles (row j: keys 2j and 2j + 1 interleaved).
 template <int D>
@@ -84,7 +89,8 @@ void pack_keys(const Args& a, const Chunk& c, int64_t kvh, int64_t b, uint32_t* 
     }
     const uint16_t* row = cache_row<D>(a, a.k_cache, table, key0, kvh);  // 16 keys of one cache block
     for (int p = 0; p < D / 2; ++p)
-      _mm512_store_si512(dst + p * 16, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, token, row + 2 * p, 4));
+      _mm512_store_si512(dst + p * 16,
+                         _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, token, row + 2 * p, 4));
   }
   alignas(64) static const uint16_t pairs[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
@@ -94,9 +100,8 @@ void pack_keys(const Args& a, const Chunk& c, int64_t kvh, int64_t b, uint32_t* 
     const uint16_t* r0 = key < c.ctx ? cache_row<D>(a, a.v_cache, table, key, kvh) : nullptr;
     const uint16_t* r1 = key + 1 < c.ctx ? cache_row<D>(a, a.v_cache, table, key + 1, kvh) : nullptr;
     for (int64_t g = 0; g < D / 16; ++g) {
-      const __m256i x0 = r0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + g * 16)) : _mm256_setzero_si256();
-      const __m256i x1 = r1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + g * 16)) : _mm256_setzero_si256();
-      const __m512i v = _mm512_permutex2var_epi16(_mm512_castsi256_si512(x0), interleave, _mm512_castsi256_si512(x1));
+      const __m512i v = _mm512_permutex2var_epi16(_mm512_castsi256_si512(sixteen(r0, g)), interleave,
+                                                  _mm512_castsi256_si512(sixteen(r1, g)));
       _mm512_store_si512(vp + ((b * (D / 16) + g) * 16 + j) * 32, v);
     }
   }
@@ -234,7 +239,8 @@ void prefill(const Args& a, int threads) {
         tiles.push_back({c, h, i0, (n + kRows - 1) / kRows, ch.ctx - ch.n + i0 + n});
       }
   }
-  std::sort(tiles.begin(), tiles.end(), [](const Work& x, const Work& y) { return x.keys * x.tiles > y.keys * y.tiles; });
+  std::sort(tiles.begin(), tiles.end(),
+            [](const Work& x, const Work& y) { return x.keys * x.tiles > y.keys * y.tiles; });
   const int64_t group = a.heads / a.kv_heads;
 #pragma omp parallel num_threads(threads)
   {

@@ -1,12 +1,18 @@
 """evenflow's int4 GEMV (models/int4_gemv.py): the float32 product of the dequantized weight, rounded once to
 bfloat16, on its VDPBF16PS path and (from 3 rows, where the CPU has AMX) its AMX one, in one A tile of rows and
-in several; the same bits on any thread count; taken by ``Int4CpuLinear`` for the rows its plan gives it."""
+in several, or on its AVX2 path (either tile height); the same bits on any thread count; taken by ``Int4CpuLinear`` for the rows its plan gives it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from evenflow.worker.models.int4_gemv import NO_GEMV, GemvRows, Int4Gemv, gemv_rows, load_int4_gemv
+
+from evenflow.worker.cpp_kernels import load_cpp_sources
+from evenflow.worker.models.int4_gemv import (
+    NO_GEMV, SOURCES, GemvRows, Int4Gemv, _bind, gemv_rows, load_int4_gemv,
+)
 from evenflow.worker.models.int4_linear import _INT4_MM, Int4CpuLinear, Int4Plan, measure_int4_plan
 from evenflow.worker.models.linear import TorchLinear
 from evenflow.worker.models.q4_blocks import GROUP, Int4Weight, Q4Rows, pack
@@ -44,6 +50,27 @@ def test_products_are_the_float32_products_rounded_to_bfloat16(gemv: Int4Gemv, s
     # torch's kernel computes the same product, to the last bit or so
     torch_int4 = _INT4_MM(x, weight.packed, GROUP, weight.scale_zeros).double()
     assert ((torch_int4 - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("tile_rows", [32, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_both_tile_heights_torch_packs_are_read(tile_rows: int, rows: int) -> None:
+    """Weights laid out by hand in torch's AVX2 (32-row) and AVX-512 (64-row) tiles give the product on whichever
+    path takes that height here (AVX2's takes both): each path is checked where torch packs the other height."""
+    lib = load_cpp_sources(SOURCES, "a test of the int4 GEMV", _bind)
+    if lib is None or not lib.evenflow_int4_gemv_isa(tile_rows):
+        pytest.skip(f"no path of the int4 GEMV reads {tile_rows}-row tiles on this CPU")
+    n, k = 192, 576
+    g = torch.Generator().manual_seed(tile_rows + rows)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    weight = pack(Q4Rows(q, torch.rand(n, k // GROUP, generator=g) * 0.05, torch.randn(n, k // GROUP, generator=g) * 0.05))
+    halves = q.view(n // tile_rows, 2, tile_rows // 2, k)  # byte (tile, kk, d): rows tile*T + d and tile*T + T/2 + d
+    by_hand = replace(weight, packed=(halves[:, 0] | halves[:, 1] << 4).transpose(1, 2).contiguous())
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    values = weight.dequantize(torch.empty(n, k)).double()
+    exact = x.double() @ values.T
+    got = Int4Gemv(lib, tile_rows)(x, by_hand).double()
+    assert ((got - exact).abs() <= exact.abs() * 2**-8 + 1e-5 * (x.double().abs() @ values.abs().T)).all()
 
 
 @pytest.mark.parametrize("rows", [1, 5])

@@ -43,8 +43,10 @@ def test_q4_gguf_kept_4bit_tracks_the_float32_path(written: dict[str, Path], nam
     assert isinstance(int4.model.linear, Int4CpuLinear)
     assert len(int4.model.int4_param_names()) == 4 * int4.model_config.num_layers
     assert not isinstance(int4.model._head, Int4Weight)  # the LM head as the GGUF holds it, dequantized
-    # Beside int4 projections the KV cache is bfloat16 where the CPU has it natively; float32 stays float32.
-    kv = torch.bfloat16 if cpu_has_fast_path(torch.bfloat16) else torch.float32
+    # Beside int4 projections the KV cache is bfloat16 where the CPU has it natively or decode steps take the
+    # int4 kernel (bfloat16 activations); float32 stays float32.
+    kv = (torch.bfloat16 if cpu_has_fast_path(torch.bfloat16) or int4.model.int4_plan.max_int4_rows > 0
+          else torch.float32)
     assert int4.kv_dtype == kv and int4.kv_caches[0][0].dtype == kv and int4.attn.kv_dtype == kv
     assert exact.kv_dtype == torch.float32 and exact.kv_caches[0][0].dtype == torch.float32
     int4.model.linear.plan = Int4Plan(max_int4_rows, torch.float32, "test")

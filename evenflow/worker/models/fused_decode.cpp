@@ -29,7 +29,8 @@ struct FusedLayer {
 
 struct FusedModel {
   std::vector<FusedLayer> layers;
-  int64_t hidden, heads, kv_heads, head_dim, inter, group;  // group: values per int4 scale/zero
+  // group: values per int4 scale/zero; tile_rows: the rows of torch's packed int4 tiles here
+  int64_t hidden, heads, kv_heads, head_dim, inter, group, tile_rows;
   float eps_root;
 };
 
@@ -57,7 +58,8 @@ enum Kernel { kTorchInt4 = 0, kDense = 1, kGemv = 2 };
 
 // x @ w.T as models/int4_linear.py computes it at this row count: torch's int4 kernel, evenflow's GEMV
 // (int4_gemv.cpp, compiled before this file), or oneDNN's linear on the dense copy.
-at::Tensor project(const at::Tensor& x, const Projection& w, Kernel kernel, int64_t group, int threads) {
+at::Tensor project(const at::Tensor& x, const Projection& w, Kernel kernel, const FusedModel& m, int threads) {
+  const int64_t group = m.group;
   if (kernel == kTorchInt4) return at::_weight_int4pack_mm_for_cpu(x, w.packed, group, w.scale_zeros);
   if (kernel == kGemv) {
     TORCH_CHECK(group == 32, "fused_decode: the int4 GEMV reads groups of 32, not ", group);
@@ -65,7 +67,7 @@ at::Tensor project(const at::Tensor& x, const Projection& w, Kernel kernel, int6
     at::Tensor y = bf16_rows(x.size(0), n);
     const int rc = int4_gemv_bf16(static_cast<const uint16_t*>(x.data_ptr()), x.size(0), x.size(1),
                                   w.packed.data_ptr<uint8_t>(), static_cast<const uint16_t*>(w.scale_zeros.data_ptr()),
-                                  n, static_cast<uint16_t*>(y.data_ptr()), threads);
+                                  n, static_cast<uint16_t*>(y.data_ptr()), threads, m.tile_rows);
     TORCH_CHECK(rc == 0, "fused_decode: the int4 GEMV refused a ", n, "x", x.size(1), " weight");
     return y;
   }
@@ -75,12 +77,12 @@ at::Tensor project(const at::Tensor& x, const Projection& w, Kernel kernel, int6
 
 // Registers a model; returns its handle. ``weights``: per layer, for qkv, o, gate_up and down, the packed
 // int4 weight, its scales/zeros and its dense copy (an empty tensor for none); ``norms``: per layer the two
-// scaled norm weights (float32); ``shape``: hidden, heads, kv_heads, head_dim, intermediate, group.
+// scaled norm weights (float32); ``shape``: hidden, heads, kv_heads, head_dim, intermediate, group, tile rows.
 int64_t register_model(at::TensorList weights, at::TensorList norms, at::IntArrayRef shape, double eps_root) {
-  TORCH_CHECK(shape.size() == 6 && norms.size() % 2 == 0 && weights.size() == 6 * norms.size(),
+  TORCH_CHECK(shape.size() == 7 && norms.size() % 2 == 0 && weights.size() == 6 * norms.size(),
               "fused_decode: bad registration");
   linear_pointwise();
-  FusedModel m{{}, shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], float(eps_root)};
+  FusedModel m{{}, shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], float(eps_root)};
   for (size_t l = 0; l < norms.size() / 2; ++l) {
     Projection p[4];
     for (int j = 0; j < 4; ++j) {
@@ -127,7 +129,7 @@ int step(int64_t handle, float* x, const void* h0, const float* cos, const float
       glue_add_norm(x, m.hidden, delta.data_ptr(), m.hidden, w.input_scaled.data_ptr<float>(), m.eps_root,
                     h.data_ptr(), rows, m.hidden, threads);
     }
-    const at::Tensor qkv = project(h, w.qkv, kernel, m.group, threads);
+    const at::Tensor qkv = project(h, w.qkv, kernel, m, threads);
     const int64_t qkv_stride = qkv.size(1);
     const at::Tensor qk = bf16_rows(rows, qk_end);
     glue_rotary(qkv.data_ptr(), qkv_stride, cos, sin, qk.data_ptr(), rows, qk_heads, d, threads);
@@ -143,14 +145,14 @@ int step(int64_t handle, float* x, const void* h0, const float* cos, const float
     const int rc = paged_decode_bf16(qk_b, qk_end, k_cache, v_cache, table, table_stride, lens, o.data_ptr(),
                                      m.heads * d, rows, m.heads, m.kv_heads, d, block_size, scale, threads);
     TORCH_CHECK(rc == 0, "fused_decode: the attention kernel refused the heads (code ", rc, ")");
-    delta = project(o, w.o, kernel, m.group, threads);
+    delta = project(o, w.o, kernel, m, threads);
     h = bf16_rows(rows, m.hidden);
     glue_add_norm(x, m.hidden, delta.data_ptr(), m.hidden, w.post_scaled.data_ptr<float>(), m.eps_root,
                   h.data_ptr(), rows, m.hidden, threads);
-    const at::Tensor gu = project(h, w.gate_up, kernel, m.group, threads);
+    const at::Tensor gu = project(h, w.gate_up, kernel, m, threads);
     const at::Tensor a = bf16_rows(rows, m.inter);
     glue_swiglu(gu.data_ptr(), gu.size(1), a.data_ptr(), rows, m.inter, threads);
-    delta = project(a, w.down, kernel, m.group, threads);
+    delta = project(a, w.down, kernel, m, threads);
   }
   const auto* db = static_cast<const bf16*>(delta.data_ptr());
   for (int64_t i = 0; i < rows * m.hidden; ++i) x[i] += float(db[i]);

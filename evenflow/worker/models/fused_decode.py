@@ -29,7 +29,7 @@ from evenflow.worker.models.int4_gemv import SOURCES as GEMV_SOURCES
 from evenflow.worker.models.int4_linear import Int4CpuLinear, packed_copy
 from evenflow.worker.models.layer_glue import SOURCE as GLUE_SOURCE
 from evenflow.worker.models.layer_glue import LayerGlue
-from evenflow.worker.models.q4_blocks import GROUP
+from evenflow.worker.models.q4_blocks import GROUP, pack_tile_rows
 from evenflow.worker.models.row_tiles import EXACT_ROWS
 
 if TYPE_CHECKING:
@@ -74,7 +74,8 @@ class FusedDecode:
         norms = [n for pair in model._scaled_norms for n in pair]
         assert all(t.is_contiguous() for t in weights + norms)
         cfg = model.cfg
-        shape = [cfg.hidden_size, model.num_heads, model.num_kv_heads, cfg.head_dim, model.intermediate, GROUP]
+        shape = [cfg.hidden_size, model.num_heads, model.num_kv_heads, cfg.head_dim, model.intermediate, GROUP,
+                 pack_tile_rows()]
         ops = torch.ops.evenflow_fused_decode
         self._handle = ops.register_model(weights, norms, shape, float(model._eps_root))
         # The library holds the weights: they go when this object does (not at interpreter exit, ops gone).

@@ -1,5 +1,6 @@
 // The product of a few bfloat16 rows with a 4-bit weight in torch's AVX-512 int4 layout, for CPUs with
-// AVX-512 BF16 and VBMI: models/int4_gemv.py says why and when it runs instead of torch's int4 kernel.
+// AVX-512 BF16 and VBMI: models/int4_gemv.py says why and when it runs instead of torch's int4 kernel. On other
+// x86 CPUs with AVX2 the entry point, int4_gemv_bf16, runs int4_gemv_avx2.cpp's kernel instead.
 //
 // The layout (models/q4_blocks.py): packed [n / 64][k][32] bytes, byte (t, kk, d) holding row t*64 + d in
 // its low nibble and row t*64 + 32 + d in its high one; scale_zeros [k / 32][n][2] bfloat16, a value being
@@ -211,16 +212,10 @@ bool int4_gemv_supported() {
 bool int4_gemv_supported() { return false; }
 #endif
 
-// y [rows, n] = x [rows, k] @ W.T, all bfloat16 row-major; 0, or -1 where the CPU (or the compiler) or the
-// shape is not one this kernel takes (n a multiple of 64, k of 32). The tiles of W are split between
-// ``threads``; each output is computed by one thread in one order, so the result does not depend on the
-// thread count (it does on how many rows of x are multiplied at once: a row alone sums in two accumulators
-// a lane, blocks of rows in one, from kAmxFromRows rows AMX sums each group in its own order).
-int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* packed, const uint16_t* scale_zeros,
-                   int64_t n, uint16_t* y, int threads) {
-  if (rows == 0) return 0;
-  if (!int4_gemv_supported() || rows < 0 || k % kGemvGroup || n % kGemvTile) return -1;
 #ifdef EVENFLOW_INT4_GEMV
+// int4_gemv_bf16 on 64-row tiles with AVX-512 BF16 (and AMX from kAmxFromRows rows where the CPU has it).
+void int4_gemv_avx512(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* packed, const uint16_t* scale_zeros,
+                      int64_t n, uint16_t* y, int threads) {
   std::vector<float> sums(rows * (k / kGemvGroup));
   group_sums(x, rows, k, sums.data());
   if (rows >= kAmxFromRows && amx_allowed()) {
@@ -236,7 +231,7 @@ int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* pa
         }
       if (configured) amx_release();
     }
-    return 0;
+    return;
   }
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < n / kGemvTile; ++t) {
@@ -253,6 +248,36 @@ int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* pa
       }
     }
   }
+}
+#endif
+
+// Whether a weight packed in ``tile_rows``-row tiles is one this CPU (and compiler) multiplies: 64-row tiles
+// with AVX-512 BF16 and VBMI; 32- or 64-row ones with AVX2 and FMA (int4_gemv_avx2.cpp, compiled before this).
+bool int4_gemv_takes(int64_t tile_rows) {
+  return (tile_rows == kGemvTile && int4_gemv_supported()) ||
+         ((tile_rows == 32 || tile_rows == 64) && int4_avx2_supported());
+}
+
+// y [rows, n] = x [rows, k] @ W.T, all bfloat16 row-major, W packed in ``tile_rows``-row tiles; 0, or -1 where
+// the CPU (or the compiler) or the shape is not one this kernel takes (n a multiple of the tile, k of 32). The
+// tiles of W are split between ``threads``; each output is computed by one thread in one order, so the result
+// does not depend on the thread count (it does on how many rows of x are multiplied at once: a row alone sums
+// in two accumulators a lane, blocks of rows in one, from kAmxFromRows rows AMX sums each group in its own
+// order).
+int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* packed, const uint16_t* scale_zeros,
+                   int64_t n, uint16_t* y, int threads, int64_t tile_rows) {
+  if (rows == 0) return 0;
+  if (!int4_gemv_takes(tile_rows) || rows < 0 || k % kGemvGroup || n % tile_rows) return -1;
+#ifdef EVENFLOW_INT4_GEMV
+  if (tile_rows == kGemvTile && int4_gemv_supported()) {
+    int4_gemv_avx512(x, rows, k, packed, scale_zeros, n, y, threads);
+    return 0;
+  }
+#endif
+#ifdef EVENFLOW_INT4_AVX2
+  std::vector<float> xf(rows * k), sums(rows * (k / kGemvGroup));
+  widen_rows(x, rows, k, xf.data(), sums.data());
+  int4_gemv_avx2(xf.data(), sums.data(), rows, k, packed, scale_zeros, n, tile_rows, y, threads);
 #endif
   return 0;
 }
@@ -263,12 +288,16 @@ extern "C" {
 
 // ``int4_gemv_bf16`` for ctypes (models/int4_gemv.py).
 int evenflow_int4_gemv(const void* x, int64_t rows, int64_t k, const void* packed, const void* scale_zeros, int64_t n,
-                       void* y, int threads) {
+                       void* y, int threads, int64_t tile_rows) {
   return int4_gemv_bf16(static_cast<const uint16_t*>(x), rows, k, static_cast<const uint8_t*>(packed),
-                        static_cast<const uint16_t*>(scale_zeros), n, static_cast<uint16_t*>(y), threads);
+                        static_cast<const uint16_t*>(scale_zeros), n, static_cast<uint16_t*>(y), threads, tile_rows);
 }
 
-int evenflow_int4_gemv_supported() { return int4_gemv_supported() ? 1 : 0; }
+// Which instructions multiply weights packed in ``tile_rows``-row tiles here: 2 AVX-512 BF16, 1 AVX2, 0 none.
+int evenflow_int4_gemv_isa(int64_t tile_rows) {
+  if (tile_rows == kGemvTile && int4_gemv_supported()) return 2;
+  return int4_gemv_takes(tile_rows) ? 1 : 0;
+}
 
 // The fewest rows AMX multiplies here; 0 where the CPU, the kernel or the compiler has no AMX.
 int evenflow_int4_amx_from_rows() { return int4_gemv_supported() && amx_allowed() ? kAmxFromRows : 0; }

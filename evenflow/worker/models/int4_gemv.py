@@ -1,4 +1,4 @@
-"""evenflow's own product of a few rows with a 4-bit weight, on CPUs with AVX-512 BF16 and VBMI (and AMX).
+"""evenflow's own product of a few rows with a 4-bit weight, on CPUs with AVX-512 BF16 and VBMI (and AMX) or AVX2.
 
 A decode step of one row is a GEMV per projection, bound by the bytes of the weight. Torch's int4 kernel
 (``_weight_int4pack_mm_for_cpu``) turns each 4-bit value into a float32 number and multiplies it, and on a
@@ -7,14 +7,17 @@ A decode step of one row is a GEMV per projection, bound by the bytes of the wei
 the weight) and makes each value a bfloat16 number by two bit operations, so one VDPBF16PS multiplies 32
 values: the same bfloat16 activations, float32 sums, a bfloat16 result. Torch's kernel's time also grows
 with the rows (6 rows cost 2-3x one row); from 3 rows on, where the CPU has AMX, the same unpacked values
-are AMX tiles, and 16 rows cost about what 2 do (0.23-0.35x torch's kernel at 16 rows).
+are AMX tiles, and 16 rows cost about what 2 do (0.23-0.35x torch's kernel at 16 rows). On CPUs without
+AVX-512 BF16 (AVX2), int4_gemv_avx2.cpp reads torch's 32-row tiles (or 64-row ones) once for up to two rows of x,
+each value a float32 number by a zero-extending load, a mask or a shift, and a conversion: on a 2-core AVX2
+EPYC 0.38-0.47x torch's kernel's time at one row on SmolLM2's projections (17-22 GB/s).
 
 Its sums run in another order than torch's, so its bits differ from torch's in the last place of some
 outputs; the Python layer loop and the fused one (models/fused_decode.py) call the same kernel for the same
 rows, and give the same bits. It runs for the projections' row counts in the int4 plan's ``gemv_rows`` and
 the LM head's 4-bit screen's in its ``gemv_rows`` (each measured against torch's kernel at start-up by
-``gemv_rows``: models/int4_linear.py, models/lm_head.py), where the CPU has the instructions, torch packs
-64-row tiles, the library builds, and it agrees with torch's kernel on a probe weight at one row and at five.
+``gemv_rows``: models/int4_linear.py, models/lm_head.py), where the CPU has the instructions for the tiles
+torch packs, the library builds, and it agrees with torch's kernel on a probe weight at one row and at five.
 """
 from __future__ import annotations
 
@@ -30,34 +33,39 @@ from evenflow.worker.models.q4_blocks import GROUP, Int4Weight, Q4Rows, pack, pa
 
 log = logging.getLogger("evenflow.worker.int4")
 
-SOURCES = [AMX_TILES_SOURCE, Path(__file__).with_name("int4_gemv.cpp")]
+SOURCES = [AMX_TILES_SOURCE, Path(__file__).with_name("int4_gemv_avx2.cpp"), Path(__file__).with_name("int4_gemv.cpp")]
 # Torch's int4 kernel, the overload itself (calling it skips the overload resolution of torch.ops.aten.<name>);
 # None in a torch without it.
 TORCH_INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
-_TILE_ROWS = 64  # the AVX-512 packing's tile, the only one the kernel reads
+_PROBE_ROWS = 64  # the probe weight's rows: a multiple of every tile height torch packs
 
 
 def _bind(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.evenflow_int4_gemv.restype = ctypes.c_int
-    lib.evenflow_int4_gemv.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-    lib.evenflow_int4_gemv_supported.restype = ctypes.c_int
+    lib.evenflow_int4_gemv.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, i64]
+    lib.evenflow_int4_gemv_isa.restype = ctypes.c_int
+    lib.evenflow_int4_gemv_isa.argtypes = [i64]
     lib.evenflow_int4_amx_from_rows.restype = ctypes.c_int
 
 
 class Int4Gemv:
     """``__call__(x, weight)``: ``x`` [rows, in] bfloat16 @ ``weight``.T -> [rows, out] bfloat16."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, tile_rows: int) -> None:
         self._gemv = lib.evenflow_int4_gemv
-        self.amx_from_rows = lib.evenflow_int4_amx_from_rows()  # 0: no AMX here, VDPBF16PS for every row count
+        self.tile_rows = tile_rows  # torch's int4 tile height here (q4_blocks.pack_tile_rows)
+        self.isa = "AVX-512 BF16" if lib.evenflow_int4_gemv_isa(tile_rows) == 2 else "AVX2"
+        # 0: no AMX here, the vector instructions for every row count
+        self.amx_from_rows = lib.evenflow_int4_amx_from_rows() if self.isa != "AVX2" else 0
 
     def __call__(self, x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
         assert x.dtype == torch.bfloat16 and x.shape[1] == weight.in_features
         x = x.contiguous()
         y = torch.empty(x.shape[0], weight.out_features, dtype=torch.bfloat16)
         rc = self._gemv(x.data_ptr(), x.shape[0], weight.in_features, weight.packed.data_ptr(),
-                        weight.scale_zeros.data_ptr(), weight.out_features, y.data_ptr(), torch.get_num_threads())
+                        weight.scale_zeros.data_ptr(), weight.out_features, y.data_ptr(), torch.get_num_threads(),
+                        self.tile_rows)
         if rc:
             raise RuntimeError(f"int4 GEMV refused a {weight.out_features}x{weight.in_features} weight")
         return y
@@ -91,7 +99,7 @@ def _agrees(gemv: Int4Gemv) -> bool:
     (a layout it misreads gives values of another row, far outside that), at one row and at five (the
     VDPBF16PS path and, where the CPU has it, AMX's)."""
     g = torch.Generator().manual_seed(0)
-    n, k = 2 * _TILE_ROWS, 4 * GROUP
+    n, k = 2 * _PROBE_ROWS, 4 * GROUP
     weight = pack(Q4Rows(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
                          torch.rand(n, k // GROUP, generator=g) * 0.1, torch.randn(n, k // GROUP, generator=g) * 0.1))
     x = torch.randn(5, k, generator=g).bfloat16()
@@ -123,20 +131,21 @@ def gemv_rows(timings: dict[int, tuple[float, float]]) -> GemvRows:
 @cache
 def load_int4_gemv() -> Int4Gemv | None:
     """The kernel, once per process; None where it cannot run here (the reason logged)."""
-    if pack_tile_rows() != _TILE_ROWS:
-        log.info("int4 GEMV off: torch packs int4 in %s-row tiles here, the kernel reads %d", pack_tile_rows(),
-                 _TILE_ROWS)
+    tile_rows = pack_tile_rows()
+    if tile_rows is None:
+        log.info("int4 GEMV off: torch's int4 packing here is not a layout evenflow reads")
         return None
     lib = load_cpp_sources(SOURCES, "few-row products with 4-bit weights", _bind)
     if lib is None:
         return None
-    if not lib.evenflow_int4_gemv_supported():
-        log.info("int4 GEMV off: the CPU lacks AVX-512 BF16 or VBMI")
+    if not lib.evenflow_int4_gemv_isa(tile_rows):
+        log.info("int4 GEMV off: the CPU has neither AVX-512 BF16 and VBMI nor AVX2 and FMA for %d-row tiles",
+                 tile_rows)
         return None
-    gemv = Int4Gemv(lib)
+    gemv = Int4Gemv(lib, tile_rows)
     if not _agrees(gemv):
         log.warning("int4 GEMV off: its products disagree with torch's int4 kernel on a probe")
         return None
-    log.info("int4 GEMV on: VDPBF16PS%s", f", AMX from {gemv.amx_from_rows} rows" if gemv.amx_from_rows else
+    log.info("int4 GEMV on: %s%s", gemv.isa, f", AMX from {gemv.amx_from_rows} rows" if gemv.amx_from_rows else
              " for every row count (no AMX here)")
     return gemv

@@ -101,7 +101,7 @@ def attach_layer_glue(model: LlamaModel) -> str:
     if off is not None:
         return f"eager ({off})"
     if model.kv_dtype != torch.bfloat16:
-        return "eager (the KV cache is float32: this CPU has no native bfloat16)"
+        return "eager (the KV cache is float32: decode steps compute in float32)"
     if any(type(p) is not Int4Weight for w in model._linears for p in (w.qkv, w.o, w.gate_up, w.down)):
         return "eager (some projections are dense, and compute in float32)"
     if any(w.qkv_bias is not None for w in model._linears):  # a float32 bias widens the qkv output

@@ -238,7 +238,12 @@ class LlamaModel(nn.Module):
         head = self.embed if self.lm_head is None else self.lm_head
         if isinstance(self.linear, Int4CpuLinear) and self.dtype == torch.float32:
             bf16_fast = cpu_has_fast_path(torch.bfloat16)
-            self.kv_dtype = torch.bfloat16 if bf16_fast else self.dtype
+            # The KV cache in bfloat16 wherever decode steps' projections take bfloat16 (the int4 kernel's
+            # activations): half the bytes decode attention reads, and the C++ layer glue, decode attention and
+            # fused layer loop (all bfloat16) run. Without native bfloat16 (AVX2) its conversions are shifts:
+            # a one-row step of the real GGUF took 0.45x its time with a float32 cache, a 2048-token prompt
+            # ~1.05x (docs/results/quantization.md, "AVX2").
+            self.kv_dtype = torch.bfloat16 if bf16_fast or self.int4_plan.max_int4_rows > 0 else self.dtype
             # reads the float32 table as loaded
             self._screened_head = ScreenedHead.for_cpu(head.detach(), bf16_fast, self.head_linear,
                                                        self.int4_plan.max_int4_rows)

@@ -1,6 +1,7 @@
 """evenflow's int4 GEMV (models/int4_gemv.py): the float32 product of the dequantized weight, rounded once to
 bfloat16, on its VDPBF16PS path and (from 3 rows, where the CPU has AMX) its AMX one, in one A tile of rows and
-in several, or on its AVX2 path (either tile height); the same bits on any thread count; taken by ``Int4CpuLinear`` for the rows its plan gives it."""
+in several, or on its AVX2 path (either tile height); the same bits on any thread count; taken by
+``Int4CpuLinear`` for the rows its plan gives it."""
 
 from __future__ import annotations
 
@@ -63,14 +64,18 @@ def test_both_tile_heights_torch_packs_are_read(tile_rows: int, rows: int) -> No
     n, k = 192, 576
     g = torch.Generator().manual_seed(tile_rows + rows)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
-    weight = pack(Q4Rows(q, torch.rand(n, k // GROUP, generator=g) * 0.05, torch.randn(n, k // GROUP, generator=g) * 0.05))
+    scale, zero = torch.rand(n, k // GROUP, generator=g) * 0.05, torch.randn(n, k // GROUP, generator=g) * 0.05
+    weight = pack(Q4Rows(q, scale, zero))
     halves = q.view(n // tile_rows, 2, tile_rows // 2, k)  # byte (tile, kk, d): rows tile*T + d and tile*T + T/2 + d
     by_hand = replace(weight, packed=(halves[:, 0] | halves[:, 1] << 4).transpose(1, 2).contiguous())
     x = torch.randn(rows, k, generator=g).bfloat16()
     values = weight.dequantize(torch.empty(n, k)).double()
     exact = x.double() @ values.T
-    got = Int4Gemv(lib, tile_rows)(x, by_hand).double()
+    gemv = Int4Gemv(lib, tile_rows)
+    got = gemv(x, by_hand).double()
     assert ((got - exact).abs() <= exact.abs() * 2**-8 + 1e-5 * (x.double().abs() @ values.abs().T)).all()
+    if gemv.isa == "AVX2":  # every row sums in one order, alone or in a block of rows
+        assert torch.equal(gemv(x[-1:], by_hand), gemv(x, by_hand)[-1:])
 
 
 @pytest.mark.parametrize("rows", [1, 5])

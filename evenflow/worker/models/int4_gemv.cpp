@@ -261,9 +261,9 @@ bool int4_gemv_takes(int64_t tile_rows) {
 // y [rows, n] = x [rows, k] @ W.T, all bfloat16 row-major, W packed in ``tile_rows``-row tiles; 0, or -1 where
 // the CPU (or the compiler) or the shape is not one this kernel takes (n a multiple of the tile, k of 32). The
 // tiles of W are split between ``threads``; each output is computed by one thread in one order, so the result
-// does not depend on the thread count (it does on how many rows of x are multiplied at once: a row alone sums
-// in two accumulators a lane, blocks of rows in one, from kAmxFromRows rows AMX sums each group in its own
-// order).
+// does not depend on the thread count (on the AVX-512 path it does on how many rows of x are multiplied at
+// once: a row alone sums in two accumulators a lane, blocks of rows in one, from kAmxFromRows rows AMX sums
+// each group in its own order; the AVX2 path sums every row in one order).
 int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* packed, const uint16_t* scale_zeros,
                    int64_t n, uint16_t* y, int threads, int64_t tile_rows) {
   if (rows == 0) return 0;

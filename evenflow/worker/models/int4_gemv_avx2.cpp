@@ -51,7 +51,8 @@ void widen_rows(const uint16_t* x, int64_t rows, int64_t k, float* xf, float* su
 __attribute__((target(EVENFLOW_AVX2))) inline __m128i to_bf16(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd), 16);
+  const __m256i half_up = _mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(half_up, odd), 16);
   const __m256i packed = _mm256_packus_epi32(rounded, rounded);  // per 128-bit lane: 4 values, twice
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // lanes' low halves together
 }
@@ -106,7 +107,7 @@ __attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const float* xf, const fl
 }
 
 // y [rows, n] = x [rows, k] @ W.T (bfloat16 row-major; ``xf`` and ``sums`` from widen_rows): the tiles' strips
-// split between ``threads``, each output computed by one thread in one order.
+// split between ``threads``, each output computed by one thread in one order, the same for any block of rows.
 void int4_gemv_avx2(const float* xf, const float* sums, int64_t rows, int64_t k, const uint8_t* packed,
                     const uint16_t* scale_zeros, int64_t n, int64_t tile_rows, uint16_t* y, int threads) {
   const int64_t strips = tile_rows / kAvx2Strip, groups = k / kAvx2Group;

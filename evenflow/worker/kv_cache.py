@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import psutil
@@ -118,12 +120,27 @@ def allocate_kv_cache(
     """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim], zero-filled.
 
     Zeros, not ``empty``: padded positions of a gathered context are masked out of the softmax but
-    still multiplied by zero probabilities, and uninitialized memory could hold NaNs. Writing the
-    zeros also touches every page, so the memory is resident (and its cost known) before the engine
-    reports ready, not faulted in under the first requests.
+    still multiplied by zero probabilities, and uninitialized memory could hold NaNs. On CPU the zeros
+    are the kernel's: each layer's K and V are one anonymous mapping, whose pages read as zero until
+    first written, so start-up does not fault in the whole cache. Written with zeros, the default cache
+    (a quarter of the RAM: 5.45 GiB on a 24 GiB VM) took 12.6 s of a 26.7 s start-up on a 2-core EPYC,
+    where pages fault in at ~1 GB/s; a step now faults in the pages its new K/V land on (a 2048-token
+    prompt of SmolLM2 writes 47 MB: ~50 ms of its ~5 s step there).
     """
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if device.type == "cpu":
+        return [_zero_pages(shape, dtype) for _ in range(num_layers)]
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_layers)
     ]
+
+
+def _zero_pages(shape: tuple[int, int, int, int], dtype: torch.dtype) -> KVCache:
+    """K and V of ``shape`` in one private anonymous mapping (zero pages until written; the tensors keep it)."""
+    numel = math.prod(shape)
+    if numel == 0:  # a mapping cannot be empty
+        return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    nbytes = 2 * numel * torch.empty(0, dtype=dtype).element_size()
+    both = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=dtype)
+    return both[:numel].view(shape), both[numel : 2 * numel].view(shape)

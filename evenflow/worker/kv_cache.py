@@ -125,7 +125,7 @@ def allocate_kv_cache(
     first written, so start-up does not fault in the whole cache. Written with zeros, the default cache
     (a quarter of the RAM: 5.45 GiB on a 24 GiB VM) took 12.6 s of a 26.7 s start-up on a 2-core EPYC,
     where pages fault in at ~1 GB/s; a step now faults in the pages its new K/V land on (a 2048-token
-    prompt of SmolLM2 writes 47 MB: ~50 ms of its ~5 s step there).
+    prompt of SmolLM2 writes 47 MB: by that rate ~50 ms of its ~5 s step there).
     """
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if device.type == "cpu":

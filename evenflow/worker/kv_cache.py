@@ -141,6 +141,6 @@ def _zero_pages(shape: tuple[int, int, int, int], dtype: torch.dtype) -> KVCache
     numel = math.prod(shape)
     if numel == 0:  # a mapping cannot be empty
         return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-    nbytes = 2 * numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = 2 * numel * dtype.itemsize
     both = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=dtype)
     return both[:numel].view(shape), both[numel : 2 * numel].view(shape)

@@ -251,11 +251,15 @@ void int4_gemv_avx512(const uint16_t* x, int64_t rows, int64_t k, const uint8_t*
 }
 #endif
 
-// Whether a weight packed in ``tile_rows``-row tiles is one this CPU (and compiler) multiplies: 64-row tiles
-// with AVX-512 BF16 and VBMI; 32- or 64-row ones with AVX2 and FMA (int4_gemv_avx2.cpp, compiled before this).
-bool int4_gemv_takes(int64_t tile_rows) {
-  return (tile_rows == kGemvTile && int4_gemv_supported()) ||
-         ((tile_rows == 32 || tile_rows == 64) && int4_avx2_supported());
+// The instructions that multiply a weight packed in ``tile_rows``-row tiles on this CPU (and compiler): 64-row
+// tiles with AVX-512 BF16 and VBMI; 32- or 64-row ones with AVX2 and FMA (int4_gemv_avx2.cpp, compiled before
+// this); none.
+enum class GemvPath { kNone = 0, kAvx2 = 1, kAvx512 = 2 };
+
+GemvPath gemv_path(int64_t tile_rows) {
+  if (tile_rows == kGemvTile && int4_gemv_supported()) return GemvPath::kAvx512;
+  if ((tile_rows == 32 || tile_rows == 64) && int4_avx2_supported()) return GemvPath::kAvx2;
+  return GemvPath::kNone;
 }
 
 // y [rows, n] = x [rows, k] @ W.T, all bfloat16 row-major, W packed in ``tile_rows``-row tiles; 0, or -1 where
@@ -267,9 +271,10 @@ bool int4_gemv_takes(int64_t tile_rows) {
 int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* packed, const uint16_t* scale_zeros,
                    int64_t n, uint16_t* y, int threads, int64_t tile_rows) {
   if (rows == 0) return 0;
-  if (!int4_gemv_takes(tile_rows) || rows < 0 || k % kGemvGroup || n % tile_rows) return -1;
+  const GemvPath path = gemv_path(tile_rows);
+  if (path == GemvPath::kNone || rows < 0 || k % kGemvGroup || n % tile_rows) return -1;
 #ifdef EVENFLOW_INT4_GEMV
-  if (tile_rows == kGemvTile && int4_gemv_supported()) {
+  if (path == GemvPath::kAvx512) {
     int4_gemv_avx512(x, rows, k, packed, scale_zeros, n, y, threads);
     return 0;
   }
@@ -294,10 +299,7 @@ int evenflow_int4_gemv(const void* x, int64_t rows, int64_t k, const void* packe
 }
 
 // Which instructions multiply weights packed in ``tile_rows``-row tiles here: 2 AVX-512 BF16, 1 AVX2, 0 none.
-int evenflow_int4_gemv_isa(int64_t tile_rows) {
-  if (tile_rows == kGemvTile && int4_gemv_supported()) return 2;
-  return int4_gemv_takes(tile_rows) ? 1 : 0;
-}
+int evenflow_int4_gemv_isa(int64_t tile_rows) { return static_cast<int>(gemv_path(tile_rows)); }
 
 // The fewest rows AMX multiplies here; 0 where the CPU, the kernel or the compiler has no AMX.
 int evenflow_int4_amx_from_rows() { return int4_gemv_supported() && amx_allowed() ? kAmxFromRows : 0; }

@@ -280,9 +280,10 @@ int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* pa
   }
 #endif
 #ifdef EVENFLOW_INT4_AVX2
-  std::vector<float> xf(rows * k), sums(rows * (k / kGemvGroup));
-  widen_rows(x, rows, k, xf.data(), sums.data());
-  int4_gemv_avx2(xf.data(), sums.data(), rows, k, packed, scale_zeros, n, tile_rows, y, threads);
+  std::vector<int32_t> pairs(rows * k / 2);
+  std::vector<float> scales(rows * (k / kGemvGroup)), sums(rows * (k / kGemvGroup));
+  round_rows(x, rows, k, pairs.data(), scales.data(), sums.data());
+  int4_gemv_avx2(pairs.data(), scales.data(), sums.data(), rows, k, packed, scale_zeros, n, tile_rows, y, threads);
 #endif
   return 0;
 }

@@ -4,13 +4,17 @@
 // The layout (models/q4_blocks.py): packed [n / T][k][T / 2] bytes, T the tile height torch packs here (32 on
 // AVX2, 64 on AVX-512), byte (t, kk, d) holding row t*T + d in its low nibble and row t*T + T/2 + d in its high
 // one; scale_zeros [k / 32][n][2] bfloat16, a value being (q - 8) * scale + zero. A tile is read as T / 32
-// strips of 16 bytes a column (32 rows: 16 low nibbles, 16 high). Eight bytes zero-extend into eight 32-bit
-// lanes (VPMOVZXBD from memory), whose low and high nibbles become two vectors of eight float32 values q, and
-// one FMA each adds x[kk] * q for eight rows. Per group of 32 columns,
-// sum(x * value) = scale * sum(x * q) + (zero - 8 * scale) * sum(x), sum(x) taken once per row of x.
+// strips of 16 bytes a column (32 rows: 16 low nibbles, 16 high). Per group of 32 columns,
+// sum(x * value) = scale * sum(x * q) + (zero - 8 * scale) * sum(x).
 //
-// Torch's kernel turns each value into a float32 number too, but per row of x and through more steps; this
-// one reads the weight once for up to kAvx2MaxRows rows (docs/results/quantization.md has the timings).
+// The products are integers: x is rounded to 16 bits per group of 32 columns (x = xs * xq, |xq| <= 32767, xs
+// the group's largest |x| / 32767: an error of at most 2^-16 of that largest value, 128x finer than the
+// bfloat16 output's rounding), and two columns' bytes are interleaved so that each 32-bit lane holds one row's
+// two 4-bit values as 16-bit integers, which VPMADDWD multiplies by the two columns' xq and adds: one
+// instruction for eight rows and two columns, summed exactly in 32 bits over the group (at most
+// 16 x 2 x 15 x 32767 < 2^31). The float32 conversion, one FMA per eight rows and column, bound a one-row
+// product by the FP ports at ~20 GB/s on a 2-core AVX2 EPYC; the integers need about half the instructions.
+// The weight is read once for up to kAvx2MaxRows rows of x (docs/results/quantization.md has the timings).
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -24,6 +28,7 @@ namespace {
 constexpr int64_t kAvx2Group = 32;   // columns per scale/zero
 constexpr int64_t kAvx2Strip = 32;   // rows of a strip: 16 bytes a column
 constexpr int kAvx2MaxRows = 2;      // rows of x that share one unpacking of the weight
+constexpr int64_t kPrefetchBytes = 1024;
 
 #ifdef EVENFLOW_INT4_AVX2
 #define EVENFLOW_AVX2 "avx2,fma"
@@ -33,17 +38,42 @@ bool int4_avx2_supported() {
   return ok;
 }
 
-// bfloat16 -> float32 for rows x k values (exact), and the rows' sums per group of 32 columns.
-void widen_rows(const uint16_t* x, int64_t rows, int64_t k, float* xf, float* sums) {
+// x rounded to 16 bits per group of 32 columns, for rows x k bfloat16 values: ``pairs`` [rows][k / 2] the
+// columns (2i, 2i + 1) as two int16 in one word (low: 2i), ``scales`` and ``sums`` [rows][k / 32] each group's
+// xs and the sum of its rounded values (xs * sum(xq)), which the zeros multiply. Rounded to nearest (even).
+__attribute__((target(EVENFLOW_AVX2))) void round_rows(const uint16_t* x, int64_t rows, int64_t k, int32_t* pairs,
+                                                       float* scales, float* sums) {
+  const int64_t groups = k / kAvx2Group;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < k / kAvx2Group; ++g) {
-      float s = 0.f;
-      for (int64_t i = g * kAvx2Group; i < (g + 1) * kAvx2Group; ++i) {
-        const uint32_t bits = uint32_t(x[r * k + i]) << 16;
-        std::memcpy(&xf[r * k + i], &bits, sizeof(float));
-        s += xf[r * k + i];
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* xg = x + r * k + g * kAvx2Group;
+      __m256 v[4];
+      __m256 largest = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xg + 8 * i));
+        v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+        largest = _mm256_max_ps(largest, _mm256_and_ps(v[i], magnitude));
       }
-      sums[r * (k / kAvx2Group) + g] = s;
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, largest);
+      float most = 0.f;
+      for (float lane : lanes) most = lane > most ? lane : most;
+      const __m256 inverse = _mm256_set1_ps(most > 0.f ? 32767.f / most : 0.f);
+      __m256i q[4];  // |v| * 32767 / most <= 32767 and a little: it rounds to 32767 at most
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+      int32_t* out = pairs + r * (k / 2) + g * (kAvx2Group / 2);
+      for (int i = 0; i < 4; i += 2)  // packs interleaves the 128-bit lanes: the permute puts them back in order
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 4 * i),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(q[i], q[i + 1]), 0xD8));
+      alignas(32) int32_t parts[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(parts),
+                         _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+      int32_t total = 0;
+      for (int32_t part : parts) total += part;
+      const float scale = most / 32767.f;
+      scales[r * groups + g] = scale;
+      sums[r * groups + g] = scale * float(total);
     }
 }
 
@@ -58,36 +88,40 @@ __attribute__((target(EVENFLOW_AVX2))) inline __m128i to_bf16(__m256 v) {
 }
 
 // The 32 output rows of strip ``s`` of tile ``t`` (rows t*T + 16s + [0, 16) and t*T + T/2 + 16s + [0, 16)) for R
-// rows of x. Accumulator j holds eight rows: j = 0, 1 the low nibbles of bytes [0, 8) and [8, 16), j = 2, 3 the
-// high ones. One accumulator a lane even for one row: the four are independent chains already, and a second set
-// (the AVX-512 path's even and odd columns) spilled registers here and ran 1.6x slower.
+// rows of x (``round_rows``'s). Accumulator j holds eight rows: j = 0, 1 the low nibbles of bytes [0, 8) and
+// [8, 16), j = 2, 3 the high ones; per group, its integer sums are scaled into float32 totals.
 template <int R>
-__attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const float* xf, const float* sums, int64_t k, int64_t n,
-                                                       int64_t tile_rows, const uint8_t* packed,
+__attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int32_t* pairs, const float* scales, const float* sums,
+                                                       int64_t k, int64_t n, int64_t tile_rows, const uint8_t* packed,
                                                        const uint16_t* scale_zeros, int64_t t, int64_t s,
                                                        uint16_t* y) {
   const int64_t groups = k / kAvx2Group, stride = tile_rows / 2;
   const int64_t first[4] = {t * tile_rows + 16 * s, t * tile_rows + 16 * s + 8, t * tile_rows + stride + 16 * s,
                             t * tile_rows + stride + 16 * s + 8};
   const uint8_t* strip = packed + t * k * stride + 16 * s;
-  const __m256i nibble = _mm256_set1_epi32(15);
-  alignas(32) float total[R][4][8] = {};
+  alignas(32) float total[R][4][8] = {};  // in memory: touched once a group, and registers are the inner loop's
   for (int64_t g = 0; g < groups; ++g) {
-    __m256 acc[R][4];
+    __m256i acc[R][4];
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_si256();
     const uint8_t* p = strip + g * kAvx2Group * stride;
-    const float* xg = xf + g * kAvx2Group;
-#pragma GCC unroll 8
-    for (int kk = 0; kk < kAvx2Group; ++kk) {
-      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kk * stride)));
-      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kk * stride + 8)));
-      const __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, nibble)),
-                           _mm256_cvtepi32_ps(_mm256_and_si256(b1, nibble)),
-                           _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
-      for (int r = 0; r < R; ++r) {
-        const __m256 xb = _mm256_broadcast_ss(xg + r * k + kk);
-        for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(w[j], xb, acc[r][j]);
+    const int32_t* xg = pairs + g * (kAvx2Group / 2);
+#pragma GCC unroll 4
+    for (int c = 0; c < kAvx2Group / 2; ++c) {  // columns 2c and 2c + 1
+      _mm_prefetch(reinterpret_cast<const char*>(p + 2 * c * stride + kPrefetchBytes), _MM_HINT_T0);
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * c * stride));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (2 * c + 1) * stride));
+      // 16-bit words a0 b0 a1 b1 ...: lane d = byte d of both columns
+      const __m256i front = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, b));
+      const __m256i back = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(a, b));
+      __m256i xp[R];
+      for (int r = 0; r < R; ++r) xp[r] = _mm256_set1_epi32(xg[r * (k / 2) + c]);
+      for (int j = 0; j < 4; ++j) {
+        // The low nibble by two shifts rather than a mask: with two rows' eight accumulators a mask register
+        // spilled one of them, whose sums then went through memory every column pair (1.4x the time).
+        const __m256i half = j % 2 ? back : front;
+        const __m256i w = j < 2 ? _mm256_srli_epi16(_mm256_slli_epi16(half, 12), 12) : _mm256_srli_epi16(half, 4);
+        for (int r = 0; r < R; ++r) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(w, xp[r]));
       }
     }
     for (int j = 0; j < 4; ++j) {
@@ -96,7 +130,8 @@ __attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const float* xf, const fl
       const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(sz, _mm256_set1_epi32(int(0xFFFF0000u))));
       const __m256 offset = _mm256_fmadd_ps(scale, _mm256_set1_ps(-8.f), zero);
       for (int r = 0; r < R; ++r) {
-        const __m256 sum = _mm256_fmadd_ps(scale, acc[r][j], _mm256_load_ps(total[r][j]));
+        const __m256 scaled = _mm256_mul_ps(scale, _mm256_set1_ps(scales[r * groups + g]));
+        const __m256 sum = _mm256_fmadd_ps(scaled, _mm256_cvtepi32_ps(acc[r][j]), _mm256_load_ps(total[r][j]));
         _mm256_store_ps(total[r][j], _mm256_fmadd_ps(offset, _mm256_set1_ps(sums[r * groups + g]), sum));
       }
     }
@@ -106,21 +141,22 @@ __attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const float* xf, const fl
       _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * n + first[j]), to_bf16(_mm256_load_ps(total[r][j])));
 }
 
-// y [rows, n] = x [rows, k] @ W.T (bfloat16 row-major; ``xf`` and ``sums`` from widen_rows): the tiles' strips
-// split between ``threads``, each output computed by one thread in one order, the same for any block of rows.
-void int4_gemv_avx2(const float* xf, const float* sums, int64_t rows, int64_t k, const uint8_t* packed,
-                    const uint16_t* scale_zeros, int64_t n, int64_t tile_rows, uint16_t* y, int threads) {
+// y [rows, n] = x [rows, k] @ W.T (bfloat16 row-major; x as ``round_rows`` gives it): the tiles' strips split
+// between ``threads``, each output computed by one thread in one order, the same for any block of rows.
+void int4_gemv_avx2(const int32_t* pairs, const float* scales, const float* sums, int64_t rows, int64_t k,
+                    const uint8_t* packed, const uint16_t* scale_zeros, int64_t n, int64_t tile_rows, uint16_t* y,
+                    int threads) {
   const int64_t strips = tile_rows / kAvx2Strip, groups = k / kAvx2Group;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < n / kAvx2Strip; ++i) {
     const int64_t t = i / strips, s = i % strips;
     for (int64_t r = 0; r < rows; r += kAvx2MaxRows) {
-      const float* xr = xf + r * k;
-      const float* sr = sums + r * groups;
+      const int32_t* xr = pairs + r * (k / 2);
+      const float *xs = scales + r * groups, *sr = sums + r * groups;
       if (rows - r == 1)
-        gemv_strip<1>(xr, sr, k, n, tile_rows, packed, scale_zeros, t, s, y + r * n);
+        gemv_strip<1>(xr, xs, sr, k, n, tile_rows, packed, scale_zeros, t, s, y + r * n);
       else
-        gemv_strip<2>(xr, sr, k, n, tile_rows, packed, scale_zeros, t, s, y + r * n);
+        gemv_strip<2>(xr, xs, sr, k, n, tile_rows, packed, scale_zeros, t, s, y + r * n);
     }
   }
 }

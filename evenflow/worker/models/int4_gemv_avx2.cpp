@@ -99,6 +99,7 @@ __attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int32_t* pairs, con
   const int64_t first[4] = {t * tile_rows + 16 * s, t * tile_rows + 16 * s + 8, t * tile_rows + stride + 16 * s,
                             t * tile_rows + stride + 16 * s + 8};
   const uint8_t* strip = packed + t * k * stride + 16 * s;
+  const __m256i nibble = _mm256_set1_epi16(15);
   alignas(32) float total[R][4][8] = {};  // in memory: touched once a group, and registers are the inner loop's
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][4];
@@ -117,10 +118,8 @@ __attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int32_t* pairs, con
       __m256i xp[R];
       for (int r = 0; r < R; ++r) xp[r] = _mm256_set1_epi32(xg[r * (k / 2) + c]);
       for (int j = 0; j < 4; ++j) {
-        // The low nibble by two shifts rather than a mask: with two rows' eight accumulators a mask register
-        // spilled one of them, whose sums then went through memory every column pair (1.4x the time).
         const __m256i half = j % 2 ? back : front;
-        const __m256i w = j < 2 ? _mm256_srli_epi16(_mm256_slli_epi16(half, 12), 12) : _mm256_srli_epi16(half, 4);
+        const __m256i w = j < 2 ? _mm256_and_si256(half, nibble) : _mm256_srli_epi16(half, 4);
         for (int r = 0; r < R; ++r) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(w, xp[r]));
       }
     }

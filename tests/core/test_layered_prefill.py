@@ -11,7 +11,8 @@ from evenflow.core.engine_config import EngineConfig
 from evenflow.core.request import Request
 from evenflow.core.sched.config import ConfigError, SchedulerConfig
 from evenflow.core.sched.layered_prefill import LayerPrice, group_tokens, may_layer, price_key
-from evenflow.core.sched.budget_controller import BudgetController
+from evenflow.core.sched.aim import AIM_MIN_SAMPLES
+from evenflow.core.sched.budget_controller import MEASURED_COST_SHARE, BudgetController
 from evenflow.core.sched.prefill_gate import RunningSurvey, survey_running
 from evenflow.core.sched.scheduler import Scheduler
 from evenflow.core.sched.step_time_model import shape_of_step
@@ -521,6 +522,27 @@ def test_a_layer_price_measured_at_nothing_is_the_fits_share() -> None:
     assert controller.layer_group(survey, 2000, 0, LAYERS, next_layer=5, most=LAYERS - 5) == 1
     assert controller._bound_by == "probe" and controller.stats.layered_prefills_stopped == 0
     assert controller.layer_price.per_layer_s(key, 2000) == 0.0  # not forgotten
+
+
+def test_a_layer_is_never_priced_under_its_share_of_the_measured_prompt_token_cost() -> None:
+    """A short prompt's layer costs about what the noise of its decodes' prediction is, so groups can
+    measure it far below its cost; its share of what prompt tokens beside decodes were measured to cost
+    (``MeasuredPromptCost``, the floor token chunks are held to) prices it then, and sizes the group."""
+    controller, survey = warm_controller()
+    key, tokens = price_key(128, 0), 128
+    controller.largest_prefill_seen = 2000.0  # trust is not what bounds the group
+    cost = controller.model.fitted_costs()
+    _, room_s, _ = controller._prompt_room(cost, survey)
+    controller.layer_price.observe(key, room_s / 1000, 1, tokens)  # a layer measured at a thousandth of the room
+    assert controller.layer_group(survey, tokens, 0, LAYERS, next_layer=0, most=LAYERS) == LAYERS  # all fit
+    per_token_s = 2 * room_s / tokens  # prompt tokens measured at twice the room for the whole prompt
+    for _ in range(AIM_MIN_SAMPLES):
+        controller.prompt_cost.observe(0.010 + per_token_s * 16, 0.010, 16, 0)
+    floor_s = controller._prompt_token_floor_s(0) * tokens / LAYERS
+    assert floor_s == pytest.approx(MEASURED_COST_SHARE * per_token_s * tokens / LAYERS)
+    assert controller._layer_price_s(cost, key, tokens, 0, LAYERS) == (pytest.approx(floor_s), "measured")
+    layers = controller.layer_group(survey, tokens, 0, LAYERS, next_layer=0, most=LAYERS)
+    assert layers == int(room_s / floor_s) < LAYERS and controller._bound_by == "aim"
 
 
 def run_step_on_threads(scheduler: Scheduler, machine: SyntheticMachine, fallback: bool) -> SchedulerOutput:

@@ -12,8 +12,9 @@
 // bfloat16 output's rounding), and two columns' bytes are interleaved so that each 32-bit lane holds one row's
 // two 4-bit values as 16-bit integers, which VPMADDWD multiplies by the two columns' xq and adds: one
 // instruction for eight rows and two columns, summed exactly in 32 bits over the group (at most
-// 16 x 2 x 15 x 32767 < 2^31). The float32 conversion, one FMA per eight rows and column, bound a one-row
-// product by the FP ports at ~20 GB/s on a 2-core AVX2 EPYC; the integers need about half the instructions.
+// 16 x 2 x 15 x 32767 < 2^31). Why integers: a float32 conversion of every 4-bit value and an FMA per eight
+// rows and column take about twice the instructions, and bind a one-row product to the FP ports (~20 GB/s on a
+// 2-core AVX2 EPYC, below its memory's rate).
 // The weight is read once for up to kAvx2MaxRows rows of x (docs/results/quantization.md has the timings).
 
 #if defined(__x86_64__)

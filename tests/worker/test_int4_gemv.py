@@ -78,6 +78,17 @@ def test_both_tile_heights_torch_packs_are_read(tile_rows: int, rows: int) -> No
         assert torch.equal(gemv(x[-1:], by_hand), gemv(x, by_hand)[-1:])
 
 
+def test_non_finite_inputs_give_non_finite_outputs(gemv: Int4Gemv) -> None:
+    """A NaN or an infinity in a row of x (a model gone wrong) reaches that row's outputs, as a float product
+    would carry it, and leaves the other rows alone."""
+    weight, _ = _weight(128, 576, seed=8)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(9)).bfloat16()
+    x[0, 40], x[1, 300] = float("nan"), float("inf")
+    y = gemv(x[:2], weight).float()  # two rows: the vector path on every CPU (AMX takes three or more)
+    assert y[0].isnan().all() and not y[1].isfinite().any()
+    assert gemv(x[::2], weight).float()[1].isfinite().all()
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 def test_the_bits_do_not_depend_on_the_thread_count(gemv: Int4Gemv, rows: int) -> None:
     weight, _ = _weight(960, 576, seed=3)

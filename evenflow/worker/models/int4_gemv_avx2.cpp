@@ -29,7 +29,7 @@ namespace {
 constexpr int64_t kAvx2Group = 32;   // columns per scale/zero
 constexpr int64_t kAvx2Strip = 32;   // rows of a strip: 16 bytes a column
 constexpr int kAvx2MaxRows = 2;      // rows of x that share one unpacking of the weight
-constexpr int64_t kPrefetchBytes = 1024;
+constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of its reads a strip asks for lines (512 B-4 KiB alike)
 
 #ifdef EVENFLOW_INT4_AVX2
 #define EVENFLOW_AVX2 "avx2,fma"
@@ -50,16 +50,18 @@ __attribute__((target(EVENFLOW_AVX2))) void round_rows(const uint16_t* x, int64_
     for (int64_t g = 0; g < groups; ++g) {
       const uint16_t* xg = x + r * k + g * kAvx2Group;
       __m256 v[4];
-      __m256 largest = _mm256_setzero_ps();
+      __m256 largest = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
       for (int i = 0; i < 4; ++i) {
         const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xg + 8 * i));
         v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
         largest = _mm256_max_ps(largest, _mm256_and_ps(v[i], magnitude));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
       }
       alignas(32) float lanes[8];
       _mm256_store_ps(lanes, largest);
       float most = 0.f;
       for (float lane : lanes) most = lane > most ? lane : most;
+      if (_mm256_movemask_ps(nan)) most = __builtin_nanf("");  // a NaN in x makes the group's outputs NaN
       const __m256 inverse = _mm256_set1_ps(most > 0.f ? 32767.f / most : 0.f);
       __m256i q[4];  // |v| * 32767 / most <= 32767 and a little: it rounds to 32767 at most
       for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));

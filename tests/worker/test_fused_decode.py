@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 from evenflow.worker.models.fused_decode import FusedDecode, attach_fused_decode
-from evenflow.worker.models.int4_gemv import GemvRows, load_int4_gemv
+from evenflow.worker.models.int4_gemv import NO_GEMV, GemvRows, load_int4_gemv
 from evenflow.worker.models.int4_linear import Int4Plan
-from evenflow.worker.models.linear import cpu_has_fast_path
+from evenflow.worker.models.linear import PackedCpuLinear
 from evenflow.worker.runner import ModelRunner
 from evenflow.worker.synthetic_steps import SyntheticStep, synthetic_step
 from tests.checkpoints import make_checkpoint
@@ -48,14 +48,18 @@ def q4_gguf(q4_ggufs: dict[str, Path]) -> Path:
 
 
 def _fused_runner(model: Path, num_blocks: int = 96) -> ModelRunner:
-    if not cpu_has_fast_path(torch.bfloat16):
-        pytest.skip("4-bit weights compute in float32 on this CPU: the narrowing path, and the glue, are off")
-    # Up to 6 rows on the int4 kernel, more on dense bfloat16 copies made at load.
-    with patch("evenflow.worker.models.llama.int4_plan", lambda *_: Int4Plan(6, torch.bfloat16, "test", True)):
+    # Up to 6 rows on the int4 kernels (evenflow's GEMV where it runs here, its weights laid out for it at load),
+    # more on dense bfloat16 copies made at load where oneDNN packs them (native bfloat16), else dequantized.
+    copies = PackedCpuLinear.works(torch.bfloat16)
+    gemv = GemvRows(1, 6) if load_int4_gemv() is not None else NO_GEMV
+    plan = Int4Plan(6, torch.bfloat16 if copies else torch.float32, "test", copies, gemv_rows=gemv)
+    with patch("evenflow.worker.models.llama.int4_plan", lambda *_: plan):
         runner = make_runner(model, num_blocks=num_blocks, block_size=16, quantization="gguf")
+    if runner.model.layer_glue is None:
+        pytest.skip("4-bit weights compute in float32 on this CPU: the narrowing path, and the glue, are off")
     if runner.model.fused_decode is None:
         pytest.skip("no C++ compiler for inductor's toolchain here")
-    assert runner.model.fused_decode.dense_copies
+    assert runner.model.fused_decode.dense_copies == copies
     return runner
 
 
@@ -79,11 +83,14 @@ def test_a_fused_step_gives_the_python_loops_bits(q4_ggufs: dict[str, Path], sha
     runner = _fused_runner(q4_ggufs[shape])
     model, fused = runner.model, runner.model.fused_decode
     if kernel == "dense copies":
+        if not fused.dense_copies:
+            pytest.skip("no dense bfloat16 copies on this CPU (oneDNN packs them only with native bfloat16)")
         model.linear.plan = Int4Plan(0, torch.bfloat16, "test", True)  # every row count on the copies
     elif kernel == "gemv":
         if load_int4_gemv() is None:
-            pytest.skip("evenflow's int4 GEMV does not run on this CPU (no AVX-512 BF16 or VBMI)")
-        model.linear.plan = Int4Plan(6, torch.bfloat16, "test", True, gemv_rows=GemvRows(1, 6))
+            pytest.skip("evenflow's int4 GEMV does not run on this CPU (neither AVX-512 BF16 and VBMI nor AVX2)")
+    else:
+        model.linear.plan = replace(model.linear.plan, gemv_rows=NO_GEMV)  # torch's int4 kernel
     assert model.linear.kernel(len(lens)) == {"dense copies": "dense"}.get(kernel, kernel)
     step = _shuffled(synthetic_step([1] * len(lens), lens, runner.block_size, runner.device), 96, len(lens))
     g = torch.Generator().manual_seed(len(lens))

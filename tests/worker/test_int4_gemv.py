@@ -12,7 +12,7 @@ import torch
 
 from evenflow.worker.cpp_kernels import load_cpp_sources
 from evenflow.worker.models.int4_gemv import (
-    NO_GEMV, SOURCES, GemvRows, Int4Gemv, _bind, gemv_rows, load_int4_gemv,
+    NO_GEMV, SOURCES, GemvRows, Int4Gemv, _bind, gemv_rows, load_int4_gemv, strip_order,
 )
 from evenflow.worker.models.int4_linear import _INT4_MM, Int4CpuLinear, Int4Plan, measure_int4_plan
 from evenflow.worker.models.linear import TorchLinear
@@ -76,6 +76,9 @@ def test_both_tile_heights_torch_packs_are_read(tile_rows: int, rows: int) -> No
     assert ((got - exact).abs() <= exact.abs() * 2**-8 + 1e-5 * (x.double().abs() @ values.abs().T)).all()
     if gemv.isa == "AVX2":  # every row sums in one order, alone or in a block of rows
         assert torch.equal(gemv(x[-1:], by_hand), gemv(x, by_hand)[-1:])
+        # the scales in the kernel's strip order give the same bits as torch's order
+        laid = replace(by_hand, strip_scales=strip_order(weight.scale_zeros, tile_rows))
+        assert torch.equal(gemv(x, laid), gemv(x, by_hand))
 
 
 def test_non_finite_inputs_give_non_finite_outputs(gemv: Int4Gemv) -> None:
@@ -114,6 +117,19 @@ def test_the_linear_takes_it_for_the_rows_its_plan_gives_it(gemv: Int4Gemv) -> N
     assert torch.equal(linear(x[:1], weight), _INT4_MM(x[:1], weight.packed, GROUP, weight.scale_zeros))
     # float32 rows are cast to bfloat16 for it and back
     assert torch.equal(linear(x[:2].float(), weight), gemv(x[:2], weight).float())
+
+
+def test_a_linear_that_runs_it_lays_out_the_scales_for_it(gemv: Int4Gemv) -> None:
+    """The AVX2 kernel's weights carry their scales in its strip order (the same products); the AVX-512 one's
+    and those of a plan that gives the GEMV no rows carry torch's alone."""
+    weight, _ = _weight(192, 576, seed=11)
+    runs = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.bfloat16, "test", gemv_rows=GemvRows(1, 4)))
+    laid = runs.laid_out(weight)
+    assert (laid.strip_scales is not None) == (gemv.isa == "AVX2")
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(12)).bfloat16()
+    assert torch.equal(runs(x, laid), gemv(x, weight))
+    never = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.bfloat16, "test"))
+    assert never.laid_out(weight) is weight
 
 
 def test_it_takes_the_longest_run_of_probes_it_won() -> None:

@@ -117,7 +117,7 @@ def test_a_float16_copy_computes_the_linear_of_the_values_rounded_to_float16() -
     weight = pack(split_blocks(GGMLQuantizationType.Q4_1, raw, (192, 576)))
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(5))
     kernel = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.float16, "test", dense_copy=True))
-    copied = kernel.with_dense_copy(weight)
+    copied = kernel.laid_out(weight)
     assert isinstance(copied.dense, torch.ScriptObject) and copied.nbytes == weight.nbytes
     assert kernel.act_dtype(copied, 40) == torch.float32 and kernel.act_dtype(copied, 8) == torch.bfloat16
     values = weight.dequantize(torch.empty(192, 576))
@@ -136,8 +136,8 @@ def test_a_dense_copy_computes_what_dequantizing_per_step_does(dense_dtype: torc
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(7))
     per_step = Int4CpuLinear(TorchLinear(), Int4Plan(8, dense_dtype, "test"))
     copying = Int4CpuLinear(TorchLinear(), Int4Plan(8, dense_dtype, "test", dense_copy=True))
-    copied = copying.with_dense_copy(weight)
-    assert per_step.with_dense_copy(weight) is weight and weight.dense is None
+    copied = copying.laid_out(weight)
+    assert per_step.laid_out(weight) is weight and weight.dense is None
     assert copied.dense is not None and copied.dense.dtype == dense_dtype and copied.nbytes == weight.nbytes
     got, want = copying(x, copied), per_step(x, weight)  # above 8 rows: the copy's GEMM
     if copied.dense.is_mkldnn:  # laid out for oneDNN: the same values, summed in the packed kernel's order

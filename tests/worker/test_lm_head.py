@@ -186,3 +186,30 @@ def test_the_cpp_pass_computes_what_the_pytorch_ops_do() -> None:
     with pytest.raises(ValueError):
         finish(screen[:2], x, table, row_error, 10.0)  # rows that do not match
 
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_cpp_pass_takes_the_first_of_tied_leaders_on_any_thread_count(threads: int) -> None:
+    """The vocabulary split between threads still finds torch's argmax of the screen, the first of equal maxima
+    (here one in the first thread's part and one in the last's), and the same logits on any thread count."""
+    finish = load_greedy_screen()
+    if finish is None:
+        pytest.skip("no C++ compiler for inductor's toolchain here")
+    vocab, hidden = 300, 100
+    x = torch.zeros(1, hidden)
+    x[0, 0] = 1.0
+    table = torch.full((vocab, hidden), 0.0)
+    table[:, 0] = -10.0
+    table[10, 0], table[250, 0] = 6.0, 4.0  # float32's logits: token 10 leads
+    screen = torch.full((1, vocab), -10.0).bfloat16()
+    screen[0, 10] = screen[0, 250] = 5.0  # the screen ties them: the first, 10, is its leader
+    prior = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = finish(screen, x, table, torch.zeros(vocab), 10.0)
+    finally:
+        torch.set_num_threads(prior)
+    # led by 10: its float32 value 6 is the floor, 250's screen value (5) stays below it; led by 250 the floor
+    # would be 4 and 250 would read 4
+    assert got[0, 10] == 6.0 and got[0, 250] == 5.0
+    assert got.argmax(1).item() == 10

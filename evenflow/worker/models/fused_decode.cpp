@@ -16,10 +16,11 @@
 
 namespace {
 
-// A projection: the int4 weight, its scales/zeros, and the dense bfloat16 copy in oneDNN's layout that
-// steps of more rows read (undefined where the model keeps none).
+// A projection: the int4 weight, its scales/zeros (torch's order, and the GEMV's strip order where the weight
+// has that copy), and the dense bfloat16 copy in oneDNN's layout that steps of more rows read (undefined where
+// the model keeps none).
 struct Projection {
-  at::Tensor packed, scale_zeros, dense;
+  at::Tensor packed, scale_zeros, strip_scales, dense;
 };
 
 struct FusedLayer {
@@ -57,17 +58,20 @@ at::Tensor bf16_rows(int64_t rows, int64_t cols) {
 enum Kernel { kTorchInt4 = 0, kDense = 1, kGemv = 2 };
 
 // x @ w.T as models/int4_linear.py computes it at this row count: torch's int4 kernel, evenflow's GEMV
-// (int4_gemv.cpp, compiled before this file), or oneDNN's linear on the dense copy.
-at::Tensor project(const at::Tensor& x, const Projection& w, Kernel kernel, const FusedModel& m, int threads) {
+// (int4_gemv.cpp, compiled before this file) into ``y`` (the step's buffer for it), or oneDNN's linear on the
+// dense copy; torch's kernels return a tensor of their own.
+at::Tensor project(const at::Tensor& x, const Projection& w, Kernel kernel, const FusedModel& m, int threads,
+                   const at::Tensor& y) {
   const int64_t group = m.group;
   if (kernel == kTorchInt4) return at::_weight_int4pack_mm_for_cpu(x, w.packed, group, w.scale_zeros);
   if (kernel == kGemv) {
     TORCH_CHECK(group == 32, "fused_decode: the int4 GEMV reads groups of 32, not ", group);
     const int64_t n = w.scale_zeros.size(1);
-    at::Tensor y = bf16_rows(x.size(0), n);
+    TORCH_CHECK(y.size(0) == x.size(0) && y.size(1) == n, "fused_decode: no buffer for a ", n, "-row product");
+    const auto* strip = w.strip_scales.defined() ? static_cast<const uint16_t*>(w.strip_scales.data_ptr()) : nullptr;
     const int rc = int4_gemv_bf16(static_cast<const uint16_t*>(x.data_ptr()), x.size(0), x.size(1),
                                   w.packed.data_ptr<uint8_t>(), static_cast<const uint16_t*>(w.scale_zeros.data_ptr()),
-                                  n, static_cast<uint16_t*>(y.data_ptr()), threads, m.tile_rows);
+                                  strip, n, static_cast<uint16_t*>(y.data_ptr()), threads, m.tile_rows);
     TORCH_CHECK(rc == 0, "fused_decode: the int4 GEMV refused a ", n, "x", x.size(1), " weight");
     return y;
   }
@@ -76,18 +80,20 @@ at::Tensor project(const at::Tensor& x, const Projection& w, Kernel kernel, cons
 }
 
 // Registers a model; returns its handle. ``weights``: per layer, for qkv, o, gate_up and down, the packed
-// int4 weight, its scales/zeros and its dense copy (an empty tensor for none); ``norms``: per layer the two
-// scaled norm weights (float32); ``shape``: hidden, heads, kv_heads, head_dim, intermediate, group, tile rows.
+// int4 weight, its scales/zeros, their strip-order copy and its dense copy (empty tensors for none); ``norms``:
+// per layer the two scaled norm weights (float32); ``shape``: hidden, heads, kv_heads, head_dim, intermediate,
+// group, tile rows.
 int64_t register_model(at::TensorList weights, at::TensorList norms, at::IntArrayRef shape, double eps_root) {
-  TORCH_CHECK(shape.size() == 7 && norms.size() % 2 == 0 && weights.size() == 6 * norms.size(),
+  TORCH_CHECK(shape.size() == 7 && norms.size() % 2 == 0 && weights.size() == 8 * norms.size(),
               "fused_decode: bad registration");
   linear_pointwise();
   FusedModel m{{}, shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], float(eps_root)};
   for (size_t l = 0; l < norms.size() / 2; ++l) {
     Projection p[4];
     for (int j = 0; j < 4; ++j) {
-      const at::Tensor& dense = weights[12 * l + 3 * j + 2];
-      p[j] = {weights[12 * l + 3 * j], weights[12 * l + 3 * j + 1], dense.numel() > 0 ? dense : at::Tensor()};
+      const at::Tensor* w = &weights[16 * l + 4 * j];
+      const auto given = [](const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); };
+      p[j] = {w[0], w[1], given(w[2]), given(w[3])};
     }
     TORCH_CHECK(norms[2 * l].scalar_type() == at::kFloat && norms[2 * l + 1].scalar_type() == at::kFloat);
     m.layers.push_back({p[0], p[1], p[2], p[3], norms[2 * l], norms[2 * l + 1]});
@@ -121,17 +127,22 @@ int step(int64_t handle, float* x, const void* h0, const float* cos, const float
     TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "fused_decode: slot ", slots[r], " outside the cache");
   const int64_t d = m.head_dim, qk_heads = m.heads + m.kv_heads, qk_end = qk_heads * d, kv_row = m.kv_heads * d;
   at::Tensor h = at::from_blob(const_cast<void*>(h0), {rows, m.hidden}, at::TensorOptions().dtype(at::kBFloat16));
+  // Every layer's activations in the same buffers, allocated once a step (a layer's ops read each before the
+  // next op writes it): nine allocations a layer cost ~10% of a one-row step's glue.
+  const int64_t qkv_n = (m.heads + 2 * m.kv_heads) * d;
+  const at::Tensor normed = bf16_rows(rows, m.hidden), qkv_out = bf16_rows(rows, qkv_n), qk = bf16_rows(rows, qk_end),
+                   o = bf16_rows(rows, m.heads * d), delta_out = bf16_rows(rows, m.hidden),
+                   gu_out = bf16_rows(rows, 2 * m.inter), a = bf16_rows(rows, m.inter);
   at::Tensor delta;
   for (size_t l = 0; l < m.layers.size(); ++l) {
     const FusedLayer& w = m.layers[l];
     if (l > 0) {
-      h = bf16_rows(rows, m.hidden);
+      h = normed;
       glue_add_norm(x, m.hidden, delta.data_ptr(), m.hidden, w.input_scaled.data_ptr<float>(), m.eps_root,
                     h.data_ptr(), rows, m.hidden, threads);
     }
-    const at::Tensor qkv = project(h, w.qkv, kernel, m, threads);
+    const at::Tensor qkv = project(h, w.qkv, kernel, m, threads, qkv_out);
     const int64_t qkv_stride = qkv.size(1);
-    const at::Tensor qk = bf16_rows(rows, qk_end);
     glue_rotary(qkv.data_ptr(), qkv_stride, cos, sin, qk.data_ptr(), rows, qk_heads, d, threads);
     auto* k_cache = reinterpret_cast<bf16*>(kv[2 * l]);
     auto* v_cache = reinterpret_cast<bf16*>(kv[2 * l + 1]);
@@ -141,18 +152,16 @@ int step(int64_t handle, float* x, const void* h0, const float* cos, const float
       std::memcpy(k_cache + slots[r] * kv_row, qk_b + r * qk_end + m.heads * d, kv_row * sizeof(bf16));
       std::memcpy(v_cache + slots[r] * kv_row, qkv_b + r * qkv_stride + qk_end, kv_row * sizeof(bf16));
     }
-    const at::Tensor o = bf16_rows(rows, m.heads * d);
     const int rc = paged_decode_bf16(qk_b, qk_end, k_cache, v_cache, table, table_stride, lens, o.data_ptr(),
                                      m.heads * d, rows, m.heads, m.kv_heads, d, block_size, scale, threads);
     TORCH_CHECK(rc == 0, "fused_decode: the attention kernel refused the heads (code ", rc, ")");
-    delta = project(o, w.o, kernel, m, threads);
-    h = bf16_rows(rows, m.hidden);
+    delta = project(o, w.o, kernel, m, threads, delta_out);
+    h = normed;
     glue_add_norm(x, m.hidden, delta.data_ptr(), m.hidden, w.post_scaled.data_ptr<float>(), m.eps_root,
                   h.data_ptr(), rows, m.hidden, threads);
-    const at::Tensor gu = project(h, w.gate_up, kernel, m, threads);
-    const at::Tensor a = bf16_rows(rows, m.inter);
+    const at::Tensor gu = project(h, w.gate_up, kernel, m, threads, gu_out);
     glue_swiglu(gu.data_ptr(), gu.size(1), a.data_ptr(), rows, m.inter, threads);
-    delta = project(a, w.down, kernel, m, threads);
+    delta = project(a, w.down, kernel, m, threads, delta_out);
   }
   const auto* db = static_cast<const bf16*>(delta.data_ptr());
   for (int64_t i = 0; i < rows * m.hidden; ++i) x[i] += float(db[i]);

@@ -69,8 +69,8 @@ class FusedDecode:
         projections = [p for w in model._linears for p in (w.qkv, w.o, w.gate_up, w.down)]
         self.dense_copies = all(packed_copy(p, torch.bfloat16) for p in projections)
         none = torch.empty(0, dtype=torch.bfloat16)
-        weights = [t for p in projections
-                   for t in (p.packed, p.scale_zeros, p.dense if self.dense_copies else none)]
+        weights = [t for p in projections for t in (p.packed, p.scale_zeros, none if p.strip_scales is None else
+                                                    p.strip_scales, p.dense if self.dense_copies else none)]
         norms = [n for pair in model._scaled_norms for n in pair]
         assert all(t.is_contiguous() for t in weights + norms)
         cfg = model.cfg

@@ -16,7 +16,7 @@ SOURCE = Path(__file__).with_name("greedy_screen.cpp")
 def _bind(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.greedy_screen.restype = ctypes.c_int
-    lib.greedy_screen.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_float, ptr, i64]
+    lib.greedy_screen.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_float, ptr, i64, ctypes.c_int]
 
 
 class GreedyScreen:
@@ -40,7 +40,7 @@ class GreedyScreen:
                              f"table {tuple(table.shape)}, row_error {tuple(row_error.shape)}")
         out = torch.empty(x.shape[0], vocab, dtype=torch.float32)
         self._run(screen.data_ptr(), screen.stride(0), x.shape[0], vocab, x.data_ptr(), hidden, table.data_ptr(),
-                  row_error.data_ptr(), sigmas, out.data_ptr(), out.stride(0))
+                  row_error.data_ptr(), sigmas, out.data_ptr(), out.stride(0), torch.get_num_threads())
         return out
 
 

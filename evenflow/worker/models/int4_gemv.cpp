@@ -216,7 +216,8 @@ bool int4_gemv_supported() { return false; }
 // int4_gemv_bf16 on 64-row tiles with AVX-512 BF16 (and AMX from kAmxFromRows rows where the CPU has it).
 void int4_gemv_avx512(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* packed, const uint16_t* scale_zeros,
                       int64_t n, uint16_t* y, int threads) {
-  std::vector<float> sums(rows * (k / kGemvGroup));
+  thread_local std::vector<float> sums;  // the calling thread's, kept across calls
+  sums.resize(rows * (k / kGemvGroup));
   group_sums(x, rows, k, sums.data());
   if (rows >= kAmxFromRows && amx_allowed()) {
 #pragma omp parallel num_threads(threads)
@@ -262,14 +263,16 @@ GemvPath gemv_path(int64_t tile_rows) {
   return GemvPath::kNone;
 }
 
-// y [rows, n] = x [rows, k] @ W.T, all bfloat16 row-major, W packed in ``tile_rows``-row tiles; 0, or -1 where
+// y [rows, n] = x [rows, k] @ W.T, all bfloat16 row-major, W packed in ``tile_rows``-row tiles, its scales and zeros
+// in ``scale_zeros`` (torch's order) and, for the AVX2 path, in ``strip_scales`` where not null (its strip order,
+// int4_gemv_avx2.cpp; the AVX-512 path reads torch's); 0, or -1 where
 // the CPU (or the compiler) or the shape is not one this kernel takes (n a multiple of the tile, k of 32). The
 // tiles of W are split between ``threads``; each output is computed by one thread in one order, so the result
 // does not depend on the thread count (on the AVX-512 path it does on how many rows of x are multiplied at
 // once: a row alone sums in two accumulators a lane, blocks of rows in one, from kAmxFromRows rows AMX sums
 // each group in its own order; the AVX2 path sums every row in one order).
 int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* packed, const uint16_t* scale_zeros,
-                   int64_t n, uint16_t* y, int threads, int64_t tile_rows) {
+                   const uint16_t* strip_scales, int64_t n, uint16_t* y, int threads, int64_t tile_rows) {
   if (rows == 0) return 0;
   const GemvPath path = gemv_path(tile_rows);
   if (path == GemvPath::kNone || rows < 0 || k % kGemvGroup || n % tile_rows) return -1;
@@ -280,10 +283,15 @@ int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* pa
   }
 #endif
 #ifdef EVENFLOW_INT4_AVX2
-  std::vector<int32_t> pairs(rows * k / 2);
-  std::vector<float> scales(rows * (k / kGemvGroup)), sums(rows * (k / kGemvGroup));
+  // The calling thread's, kept across calls: a decode step's products allocate nothing once warm.
+  thread_local std::vector<int32_t> pairs;
+  thread_local std::vector<float> scales, sums;
+  pairs.resize(rows * k / 2);
+  scales.resize(rows * (k / kGemvGroup));
+  sums.resize(rows * (k / kGemvGroup));
   round_rows(x, rows, k, pairs.data(), scales.data(), sums.data());
-  int4_gemv_avx2(pairs.data(), scales.data(), sums.data(), rows, k, packed, scale_zeros, n, tile_rows, y, threads);
+  int4_gemv_avx2(pairs.data(), scales.data(), sums.data(), rows, k, packed, scale_zeros, strip_scales, n, tile_rows, y,
+                 threads);
 #endif
   return 0;
 }
@@ -293,10 +301,11 @@ int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* pa
 extern "C" {
 
 // ``int4_gemv_bf16`` for ctypes (models/int4_gemv.py).
-int evenflow_int4_gemv(const void* x, int64_t rows, int64_t k, const void* packed, const void* scale_zeros, int64_t n,
-                       void* y, int threads, int64_t tile_rows) {
+int evenflow_int4_gemv(const void* x, int64_t rows, int64_t k, const void* packed, const void* scale_zeros,
+                       const void* strip_scales, int64_t n, void* y, int threads, int64_t tile_rows) {
   return int4_gemv_bf16(static_cast<const uint16_t*>(x), rows, k, static_cast<const uint8_t*>(packed),
-                        static_cast<const uint16_t*>(scale_zeros), n, static_cast<uint16_t*>(y), threads, tile_rows);
+                        static_cast<const uint16_t*>(scale_zeros), static_cast<const uint16_t*>(strip_scales), n,
+                        static_cast<uint16_t*>(y), threads, tile_rows);
 }
 
 // Which instructions multiply weights packed in ``tile_rows``-row tiles here: 2 AVX-512 BF16, 1 AVX2, 0 none.

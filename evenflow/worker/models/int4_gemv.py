@@ -12,6 +12,8 @@ AVX-512 BF16 (AVX2), int4_gemv_avx2.cpp reads torch's 32-row tiles (or 64-row on
 with x rounded to 16-bit integers per group of 32 (2^-16 of the group's largest value) and the products
 summed exactly by VPMADDWD, two columns and eight rows an instruction: on a 2-core AVX2 EPYC a one-row decode
 step took 0.81-0.83x the time of the float32 FMAs it replaced (themselves 0.38-0.47x torch's kernel's time).
+That kernel reads the scales and zeros from a copy in its own order (``gemv_layout``), each 32-row strip's in one
+run of memory: in torch's order a strip's groups are a row of the weight apart.
 
 Its sums run in another order than torch's, so its bits differ from torch's in the last place of some
 outputs; the Python layer loop and the fused one (models/fused_decode.py) call the same kernel for the same
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import NamedTuple
@@ -44,7 +47,7 @@ _PROBE_ROWS = 64  # the probe weight's rows: a multiple of every tile height tor
 def _bind(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.evenflow_int4_gemv.restype = ctypes.c_int
-    lib.evenflow_int4_gemv.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, i64]
+    lib.evenflow_int4_gemv.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int, i64]
     lib.evenflow_int4_gemv_isa.restype = ctypes.c_int
     lib.evenflow_int4_gemv_isa.argtypes = [i64]
     lib.evenflow_int4_amx_from_rows.restype = ctypes.c_int
@@ -64,12 +67,33 @@ class Int4Gemv:
         assert x.dtype == torch.bfloat16 and x.shape[1] == weight.in_features
         x = x.contiguous()
         y = torch.empty(x.shape[0], weight.out_features, dtype=torch.bfloat16)
+        strip = weight.strip_scales
         rc = self._gemv(x.data_ptr(), x.shape[0], weight.in_features, weight.packed.data_ptr(),
-                        weight.scale_zeros.data_ptr(), weight.out_features, y.data_ptr(), torch.get_num_threads(),
-                        self.tile_rows)
+                        weight.scale_zeros.data_ptr(), None if strip is None else strip.data_ptr(),
+                        weight.out_features, y.data_ptr(), torch.get_num_threads(), self.tile_rows)
         if rc:
             raise RuntimeError(f"int4 GEMV refused a {weight.out_features}x{weight.in_features} weight")
         return y
+
+
+def strip_order(scale_zeros: torch.Tensor, tile_rows: int) -> torch.Tensor:
+    """``scale_zeros`` [k / 32, n, 2] in the AVX2 kernel's strip order, [n / 32, k / 32, 32, 2]: strip i is rows
+    t*T + 16s + [0, 16) and t*T + T/2 + 16s + [0, 16) of tile t = i // (T / 32), s = i % (T / 32), in the order
+    of its four accumulators' runs of eight rows (int4_gemv_avx2.cpp's ``gemv_strip``)."""
+    groups, n, _ = scale_zeros.shape
+    strips = tile_rows // 32
+    # rows [tile][strip][half][16]: half 0 the low nibbles' rows, 1 the high nibbles' (T/2 further on)
+    order = torch.arange(n).view(n // tile_rows, 2, strips, 16).transpose(1, 2).reshape(-1)
+    return scale_zeros.index_select(1, order).view(groups, n // 32, 32, 2).transpose(0, 1).contiguous()
+
+
+def gemv_layout(weight: Int4Weight) -> Int4Weight:
+    """``weight`` with the scales and zeros in the order the GEMV reads them fastest here: its strip-order copy
+    where the AVX2 kernel runs (``strip_order``), itself elsewhere."""
+    gemv = load_int4_gemv()
+    if gemv is None or gemv.isa != "AVX2" or weight.strip_scales is not None:
+        return weight
+    return replace(weight, strip_scales=strip_order(weight.scale_zeros, gemv.tile_rows))
 
 
 class GemvRows(NamedTuple):

@@ -7,6 +7,12 @@
 // strips of 16 bytes a column (32 rows: 16 low nibbles, 16 high). Per group of 32 columns,
 // sum(x * value) = scale * sum(x * q) + (zero - 8 * scale) * sum(x).
 //
+// The scales and zeros are read in strip order where the weight has that copy (models/int4_gemv.py's
+// ``gemv_layout``: [n / 32 strips][k / 32][32 rows][2], each strip's in one run of memory beside its weight
+// bytes). In torch's order a strip's groups lie n * 4 bytes apart, one stream a group (18-48 on SmolLM2's
+// shapes) beside the weight's, more than the hardware prefetcher follows: the strip order took a one-row
+// product over SmolLM2's projections to 0.90x its time (docs/results/quantization.md).
+//
 // The products are integers: x is rounded to 16 bits per group of 32 columns (x = xs * xq, |xq| <= 32767, xs
 // the group's largest |x| / 32767: an error of at most 2^-16 of that largest value, 128x finer than the
 // bfloat16 output's rounding), and two columns' bytes are interleaved so that each 32-bit lane holds one row's
@@ -90,14 +96,21 @@ __attribute__((target(EVENFLOW_AVX2))) inline __m128i to_bf16(__m256 v) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // lanes' low halves together
 }
 
+// Where a strip's scales and zeros are: run j's (its accumulator j's eight rows) of group g at
+// first + g * group_stride + run[j], counted in bfloat16 values.
+struct StripScales {
+  const uint16_t* first;
+  int64_t group_stride;
+  int64_t run[4];
+};
+
 // The 32 output rows of strip ``s`` of tile ``t`` (rows t*T + 16s + [0, 16) and t*T + T/2 + 16s + [0, 16)) for R
 // rows of x (``round_rows``'s). Accumulator j holds eight rows: j = 0, 1 the low nibbles of bytes [0, 8) and
 // [8, 16), j = 2, 3 the high ones; per group, its integer sums are scaled into float32 totals.
 template <int R>
 __attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int32_t* pairs, const float* scales, const float* sums,
                                                        int64_t k, int64_t n, int64_t tile_rows, const uint8_t* packed,
-                                                       const uint16_t* scale_zeros, int64_t t, int64_t s,
-                                                       uint16_t* y) {
+                                                       const StripScales& sz_at, int64_t t, int64_t s, uint16_t* y) {
   const int64_t groups = k / kAvx2Group, stride = tile_rows / 2;
   const int64_t first[4] = {t * tile_rows + 16 * s, t * tile_rows + 16 * s + 8, t * tile_rows + stride + 16 * s,
                             t * tile_rows + stride + 16 * s + 8};
@@ -127,7 +140,8 @@ __attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int32_t* pairs, con
       }
     }
     for (int j = 0; j < 4; ++j) {
-      const __m256i sz = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale_zeros + (g * n + first[j]) * 2));
+      const __m256i sz =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz_at.first + g * sz_at.group_stride + sz_at.run[j]));
       const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(sz, 16));
       const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(sz, _mm256_set1_epi32(int(0xFFFF0000u))));
       const __m256 offset = _mm256_fmadd_ps(scale, _mm256_set1_ps(-8.f), zero);
@@ -145,20 +159,24 @@ __attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int32_t* pairs, con
 
 // y [rows, n] = x [rows, k] @ W.T (bfloat16 row-major; x as ``round_rows`` gives it): the tiles' strips split
 // between ``threads``, each output computed by one thread in one order, the same for any block of rows.
+// ``strip_scales``: the scales and zeros in strip order, or null to read ``scale_zeros`` (torch's order).
 void int4_gemv_avx2(const int32_t* pairs, const float* scales, const float* sums, int64_t rows, int64_t k,
-                    const uint8_t* packed, const uint16_t* scale_zeros, int64_t n, int64_t tile_rows, uint16_t* y,
-                    int threads) {
-  const int64_t strips = tile_rows / kAvx2Strip, groups = k / kAvx2Group;
+                    const uint8_t* packed, const uint16_t* scale_zeros, const uint16_t* strip_scales, int64_t n,
+                    int64_t tile_rows, uint16_t* y, int threads) {
+  const int64_t strips = tile_rows / kAvx2Strip, groups = k / kAvx2Group, half = tile_rows / 2;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < n / kAvx2Strip; ++i) {
     const int64_t t = i / strips, s = i % strips;
+    const StripScales sz_at =
+        strip_scales ? StripScales{strip_scales + i * groups * kAvx2Strip * 2, kAvx2Strip * 2, {0, 16, 32, 48}}
+                     : StripScales{scale_zeros + (t * tile_rows + 16 * s) * 2, 2 * n, {0, 16, 2 * half, 2 * half + 16}};
     for (int64_t r = 0; r < rows; r += kAvx2MaxRows) {
       const int32_t* xr = pairs + r * (k / 2);
       const float *xs = scales + r * groups, *sr = sums + r * groups;
       if (rows - r == 1)
-        gemv_strip<1>(xr, xs, sr, k, n, tile_rows, packed, scale_zeros, t, s, y + r * n);
+        gemv_strip<1>(xr, xs, sr, k, n, tile_rows, packed, sz_at, t, s, y + r * n);
       else
-        gemv_strip<2>(xr, xs, sr, k, n, tile_rows, packed, scale_zeros, t, s, y + r * n);
+        gemv_strip<2>(xr, xs, sr, k, n, tile_rows, packed, sz_at, t, s, y + r * n);
     }
   }
 }

@@ -35,7 +35,9 @@ import torch.nn.functional as F
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_fp16
 # A torch without its int4 kernel fails layout_matches(), so no Int4CpuLinear is built there.
 from evenflow.worker.models.int4_gemv import TORCH_INT4_MM as _INT4_MM
-from evenflow.worker.models.int4_gemv import NO_GEMV, GemvRows, gemv_rows, int4_product, load_int4_gemv, takes_gemv
+from evenflow.worker.models.int4_gemv import (
+    NO_GEMV, GemvRows, gemv_layout, gemv_rows, int4_product, load_int4_gemv, takes_gemv,
+)
 from evenflow.worker.models.kernel_timing import (
     COPY_PROBE_BYTES, INT4_RUN, int4_from_memory, on_every_core, time_min,
 )
@@ -112,7 +114,7 @@ class Int4CpuLinear:
             act = self.plan.dense_act_dtype
             dense = weight.dense
             if packed_copy(weight, act):
-                assert self._copy_kernel is not None  # a packed copy is made only by with_dense_copy
+                assert self._copy_kernel is not None  # a packed copy is made only by laid_out
                 y = self._copy_kernel(x.to(act), dense).to(x.dtype)
             else:
                 if not isinstance(dense, torch.Tensor) or dense.dtype != act:
@@ -133,8 +135,11 @@ class Int4CpuLinear:
             return weight.nbytes
         return weight.out_features * weight.in_features * self.plan.dense_dtype.itemsize
 
-    def with_dense_copy(self, weight: Int4Weight) -> Int4Weight:
-        """``weight`` with its dense copy for many-row steps, when the plan keeps one."""
+    def laid_out(self, weight: Int4Weight) -> Int4Weight:
+        """``weight`` with what the plan reads besides torch's layout: the scales in the GEMV's order where the
+        plan gives it rows (models/int4_gemv.py's ``gemv_layout``), the dense copy for many-row steps where it keeps one."""
+        if self.plan.gemv_rows.first <= self.plan.gemv_rows.last:
+            weight = gemv_layout(weight)
         if not self.plan.dense_copy:
             return weight
         shape = (weight.out_features, weight.in_features)
@@ -226,8 +231,8 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
         return Int4Plan(0, torch.float32, "this torch's int4 packing is not the layout evenflow reads")
     n, k = shape
     g = torch.Generator().manual_seed(0)
-    weight = pack(Q4Rows(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
-                         torch.rand(n, k // GROUP, generator=g) * 0.01, torch.zeros(n, k // GROUP)))
+    weight = gemv_layout(pack(Q4Rows(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
+                                     torch.rand(n, k // GROUP, generator=g) * 0.01, torch.zeros(n, k // GROUP))))
     big = torch.randn(_PROBE_ROWS[-1], k, generator=g)
     dense = {dtype: weight.dequantize(torch.empty(shape, dtype=dtype)) for dtype in (torch.float32, torch.bfloat16)}
     dtypes = [torch.float32, torch.bfloat16] if bf16_fast else [torch.float32]

@@ -50,8 +50,9 @@ def int4_from_memory(weight: Int4Weight) -> Callable[[Callable[[Int4Weight], obj
     memory. Timed alone on one weight the cache kept, torch's kernel beat the GEMV at one row where, read from
     memory product after product, the GEMV took 0.54-0.84x its time."""
     count = -(-COPY_PROBE_BYTES // weight.nbytes) + INT4_RUN
-    copies = [replace(weight, packed=weight.packed.clone(), scale_zeros=weight.scale_zeros.clone())
-              for _ in range(count)]
+    strip = weight.strip_scales
+    copies = [replace(weight, packed=weight.packed.clone(), scale_zeros=weight.scale_zeros.clone(),
+                      strip_scales=None if strip is None else strip.clone()) for _ in range(count)]
     turn = [0]
 
     def run(product: Callable[[Int4Weight], object]) -> None:

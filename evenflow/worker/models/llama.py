@@ -268,7 +268,7 @@ class LlamaModel(nn.Module):
             self._copy_dense(param, parts)
             return self.linear.prepare(param)
         assert isinstance(self.linear, Int4CpuLinear)  # 4-bit parts are kept only under its plan
-        return self.linear.with_dense_copy(pack(concat_rows([parts[o] for o in sorted(parts)])))
+        return self.linear.laid_out(pack(concat_rows([parts[o] for o in sorted(parts)])))
 
     def _dense_from_int4_parts(self) -> None:
         params = dict(self.named_parameters())

@@ -36,11 +36,15 @@ bfloat16 at one row, 2.69 against 1.43 at eight, where the projections' plan kee
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works, fp16_linear, pack_fp16
 from evenflow.worker.models.greedy_screen import load_greedy_screen
 from evenflow.worker.models.int4_gemv import TORCH_INT4_MM as _INT4_MM
-from evenflow.worker.models.int4_gemv import NO_GEMV, GemvRows, gemv_rows, int4_product, load_int4_gemv
+from evenflow.worker.models.int4_gemv import (
+    NO_GEMV, GemvRows, gemv_layout, gemv_rows, int4_product, load_int4_gemv,
+)
 from evenflow.worker.models.kernel_timing import on_every_core, time_min
 from evenflow.worker.models.linear import Linear, PackedCpuLinear
 from evenflow.worker.models.q4_blocks import GROUP, PACK_TILE_ROWS, Int4Weight, Q4Rows, pack
@@ -196,8 +200,10 @@ class Int4Screen:
         zero = (lo + 8 * scale).bfloat16().float()  # value = (q - 8) * scale + zero
         q = ((groups - zero.unsqueeze(-1)) / scale.unsqueeze(-1) + 8).round().clamp(0, 15)
         values = (q - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
-        self.weight: Int4Weight = pack(Q4Rows(q.to(torch.uint8).view(rows, hidden), scale, zero))
+        self.weight: Int4Weight = gemv_layout(pack(Q4Rows(q.to(torch.uint8).view(rows, hidden), scale, zero)))
         self.gemv_rows = self._measured_gemv_rows()  # the row counts the GEMV computes the screen at
+        if self.gemv_rows == NO_GEMV:  # torch's kernel reads torch's order only
+            self.weight = replace(self.weight, strip_scales=None)
         # Per row, the RMS of its rounding error: a logit's error has standard deviation |x| * this.
         self.row_error = (groups - values)[:vocab].pow(2).mean((1, 2)).sqrt().unsqueeze(0)
 

@@ -59,6 +59,8 @@ class Int4Weight:
     in_features: int
     # The same values dequantized once, for many-row steps (the plan's): a tensor, or FBGEMM's packed float16.
     dense: torch.Tensor | torch.ScriptObject | None = None
+    # scale_zeros in the AVX2 GEMV's strip order (models/int4_gemv.py's ``gemv_layout``), where it runs here.
+    strip_scales: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:

@@ -21,6 +21,7 @@ import torch
 
 from evenflow.protocol import TokenLogprobs
 
+from evenflow.worker.argmax import row_argmax
 from evenflow.worker.logprobs import compute_logprobs
 from evenflow.worker.penalties import apply_min_tokens, apply_penalties
 from evenflow.worker.sampling_metadata import RandomSamplingMetadata, SamplingMetadata
@@ -57,11 +58,11 @@ class Sampler:
                 apply_min_tokens(x, metadata.min_tokens_flat)
         r = metadata.random
         if r is None:
-            sampled = x.argmax(dim=-1)
+            sampled = row_argmax(x)
         elif r.rows is None:
             sampled = _sample_random(x if owned else x.clone(), r)
         else:
-            sampled = x.argmax(dim=-1)
+            sampled = row_argmax(x)
             sampled.index_copy_(0, r.rows, _sample_random(x.index_select(0, r.rows), r))
         logprobs = None
         if metadata.logprobs is not None:
@@ -149,4 +150,4 @@ def _exponential_race(probs: torch.Tensor, r: RandomSamplingMetadata) -> torch.T
     for row, generator in r.generators:
         noise[row].uniform_(generator=generator)
     noise.log_().neg_()  # in (0, inf]
-    return probs.div_(noise).argmax(dim=-1)
+    return row_argmax(probs.div_(noise))

@@ -159,9 +159,12 @@ def profile_decode(runner: ModelRunner, batch: int, context: int, steps: int = 2
     return StepSplit(sorted(served)[len(served) // 2], linear_s, attention_s, sampling_s, head_s, split_total)
 
 
-def roofline_row(model: str, mode: str, batch: int, context: int, bandwidth: float, threads: int,
-                 steps: int = 20, clock=time.perf_counter) -> RooflineRow:
-    """Load ``model`` in ``mode`` (float32 / bfloat16 / int4) and measure one row of the table."""
+def roofline_rows(model: str, mode: str, batch: int, context: int, threads: int, steps: int = 20,
+                  clock=time.perf_counter, rounds: int = 1) -> list[RooflineRow]:
+    """Load ``model`` in ``mode`` (float32 / bfloat16 / int4) and measure its row of the table ``rounds`` times,
+    each round the read bandwidth and then the step: on a shared machine both move from minute to minute (on a
+    2-core AVX2 EPYC the bandwidth 24-34 GB/s and the same step 4-6.6 ms within an hour), so a ratio is taken
+    from the two measured together."""
     dtype = "bfloat16" if mode == "bfloat16" else "float32"
     quantization = "gguf" if mode == "int4" else ("none" if model.endswith(".gguf") else None)
     blocks = batch * (-(-(context + 1) // 16)) + 1
@@ -170,20 +173,33 @@ def roofline_row(model: str, mode: str, batch: int, context: int, bandwidth: flo
                                       quantization=quantization))
     torch.set_num_threads(threads)
     weights, kv = decode_step_bytes(runner, batch, context)
-    split = profile_decode(runner, batch, context, steps, clock)
-    return RooflineRow(model.rsplit("/", 1)[-1], mode, batch, context, weights, kv, bandwidth, split)
+    rows = []
+    for _ in range(rounds):
+        bandwidth = read_bandwidth(clock=clock)
+        split = profile_decode(runner, batch, context, steps, clock)
+        rows.append(RooflineRow(model.rsplit("/", 1)[-1], mode, batch, context, weights, kv, bandwidth, split))
+    return rows
+
+
+def ratio_summary(rows: list[RooflineRow]) -> str:
+    """The median of one row's ratios over its rounds, and their range."""
+    ratios = sorted(r.ratio for r in rows)
+    r = rows[0]
+    return (f"{r.model} {r.mode} B={r.batch}: step / roofline median {ratios[len(ratios) // 2]:.2f}x "
+            f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(rows)} rounds)")
 
 
 def format_table(rows: list[RooflineRow]) -> str:
     # "timed step": the step with timing wrappers whose parts the last five columns are (StepSplit)
     head = ("| model | mode | B | context | weights MB | KV MB | roofline ms | step ms | ratio | timed step ms | "
-            "linears ms | attention ms | sampling ms | rest ms | LM head ms |\n"
-            "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+            "linears ms | attention ms | sampling ms | rest ms | LM head ms | GB/s |\n"
+            "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     lines = [head]
     for r in rows:
         s = r.split
         lines.append(f"| {r.model} | {r.mode} | {r.batch} | {r.context} | {r.weight_bytes / 1e6:.1f} | "
                      f"{r.kv_bytes / 1e6:.2f} | {r.roofline_s * 1e3:.2f} | {s.total_s * 1e3:.2f} | {r.ratio:.2f} | "
                      f"{s.split_total_s * 1e3:.2f} | {s.linear_s * 1e3:.2f} | {s.attention_s * 1e3:.2f} | "
-                     f"{s.sampling_s * 1e3:.2f} | {s.rest_s * 1e3:.2f} | {s.head_s * 1e3:.2f} |")
+                     f"{s.sampling_s * 1e3:.2f} | {s.rest_s * 1e3:.2f} | {s.head_s * 1e3:.2f} | "
+                     f"{r.bandwidth / 1e9:.1f} |")
     return "\n".join(lines)

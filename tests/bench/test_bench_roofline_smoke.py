@@ -1,5 +1,6 @@
 """Smoke run of scripts/bench_roofline.py on a tiny Q4_1 GGUF the tests write: the kernel table and
-one roofline row per mode, every cell filled, the int4 row reading fewer weight bytes."""
+one roofline row per mode and round, every cell filled, the int4 row reading fewer weight bytes, a ratio summary
+per row."""
 
 from __future__ import annotations
 
@@ -16,14 +17,18 @@ def test_bench_roofline_tiny_q4_gguf(checkpoint_root: Path, tmp_path: Path) -> N
     model = write_gguf(make_checkpoint(checkpoint_root, seed=6), tmp_path / "tiny-q4_1.gguf",
                        gguf.GGMLQuantizationType.Q4_1)
     proc = run_script("bench_roofline.py", ["--model", str(model), "--modes", "float32,int4", "--batch", "1",
-                                            "--context", "16", "--steps", "2", "--threads", "1"], timeout_s=240)
+                                            "--context", "16", "--steps", "2", "--threads", "1", "--rounds", "2"],
+                      timeout_s=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "read bandwidth" in proc.stdout
-    table = proc.stdout.strip().split("\n\n")[-1].splitlines()[2:]
-    rows = {cells[1]: cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in table)}
+    *_, table, summary = proc.stdout.strip().split("\n\n")
+    lines = table.splitlines()[2:]
+    assert len(lines) == 4  # two modes, two rounds each (each its own bandwidth and step)
+    rows = {cells[1]: cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
     assert set(rows) == {"float32", "int4"}
     assert all(float(c) >= 0 for r in rows.values() for c in r[2:])
     assert float(rows["int4"][4]) < float(rows["float32"][4])  # weight MB a step reads
+    assert len(summary.splitlines()) == 2 and all("over 2 rounds" in line for line in summary.splitlines())
 
 
 def test_op_profile_and_revision_ab_on_a_tiny_q4_gguf(checkpoint_root: Path, tmp_path: Path) -> None:

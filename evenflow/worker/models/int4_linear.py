@@ -137,7 +137,8 @@ class Int4CpuLinear:
 
     def laid_out(self, weight: Int4Weight) -> Int4Weight:
         """``weight`` with what the plan reads besides torch's layout: the scales in the GEMV's order where the
-        plan gives it rows (models/int4_gemv.py's ``gemv_layout``), the dense copy for many-row steps where it keeps one."""
+        plan gives it rows (models/int4_gemv.py's ``gemv_layout``), the dense copy for many-row steps where it
+        keeps one."""
         if self.plan.gemv_rows.first <= self.plan.gemv_rows.last:
             weight = gemv_layout(weight)
         if not self.plan.dense_copy:

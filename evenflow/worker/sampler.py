@@ -4,7 +4,7 @@ Pipeline (vLLM V1 order), all tensor ops over the batch:
 
 1. logprobs, if asked, from the raw logits (see ``logprobs.py``);
 2. penalties and ``min_tokens`` masking on the rows that need them (see ``penalties.py``);
-3. greedy rows (``temperature < 1e-5``): argmax of the processed logits;
+3. greedy rows (``temperature < 1e-5``): argmax of the processed logits (``argmax.py``: torch's answer in C++);
 4. the other rows: divide by temperature, min-p, top-k, top-p, then an exponential race
    ``argmax(probs / Exponential(1))`` — the same law as sampling from ``probs``. Seeded requests
    draw their noise (``E = -log U``) from their own ``torch.Generator``, a fixed amount per token,

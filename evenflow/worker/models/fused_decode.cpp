@@ -128,7 +128,7 @@ int step(int64_t handle, float* x, const void* h0, const float* cos, const float
   const int64_t d = m.head_dim, qk_heads = m.heads + m.kv_heads, qk_end = qk_heads * d, kv_row = m.kv_heads * d;
   at::Tensor h = at::from_blob(const_cast<void*>(h0), {rows, m.hidden}, at::TensorOptions().dtype(at::kBFloat16));
   // Every layer's activations in the same buffers, allocated once a step (a layer's ops read each before the
-  // next op writes it): nine allocations a layer cost ~10% of a one-row step's glue.
+  // next op writes it): nine allocations a layer were about half of a one-row step's glue time.
   const int64_t qkv_n = (m.heads + 2 * m.kv_heads) * d;
   const at::Tensor normed = bf16_rows(rows, m.hidden), qkv_out = bf16_rows(rows, qkv_n), qk = bf16_rows(rows, qk_end),
                    o = bf16_rows(rows, m.heads * d), delta_out = bf16_rows(rows, m.hidden),

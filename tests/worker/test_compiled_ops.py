@@ -127,6 +127,22 @@ def test_enforce_eager_reaches_the_workers(tiny_llama: Path) -> None:
         assert worker_template(cfg, str(tiny_llama), 512).enforce_eager is expected
 
 
+def test_the_graphs_take_one_activation_dtype_above_the_int4_rows(checkpoint_root: Path, tmp_path: Path) -> None:
+    """Where the int4 kernel takes steps past the threshold (bfloat16) and a dense path computes longer ones in
+    another dtype, the graphs are for the dense path's rows alone: a longer step compiles nothing again."""
+    llama = make_checkpoint(checkpoint_root, seed=5)
+    runner = make_runner(write_gguf(llama, tmp_path / "llama-q4_1.gguf", gguf.GGMLQuantizationType.Q4_1),
+                         num_blocks=64, quantization="gguf")
+    model = runner.model
+    model.linear.plan = Int4Plan(COMPILE_MIN_ROWS, torch.float32, "test")  # int4 to 256 rows, float32 above
+    done = compile_layer_ops(model, COMPILE_MIN_ROWS)
+    assert done.startswith(f"eager ({COMPILE_MIN_ROWS + 1}-row steps compute in float32"), done
+    before = sum(counters["frames"].values())
+    prompt = [(7 * i) % 250 + 1 for i in range(COMPILE_MIN_ROWS + 44)]
+    score(runner, prompt, len(prompt))
+    assert sum(counters["frames"].values()) == before
+
+
 def test_a_qkv_bias_compiles_nothing_after_the_warm_up(checkpoint_root: Path, tmp_path: Path) -> None:
     """Qwen2's float32 qkv bias widens the bfloat16 qkv product: the warm-up compiles the rotary group for
     that dtype, so a long step of such a model does not compile it again while requests wait."""

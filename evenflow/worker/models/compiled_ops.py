@@ -128,8 +128,9 @@ def off_narrowing_path(model: LlamaModel) -> str | None:
 
 
 def compile_layer_ops(model: LlamaModel, min_rows: int, thread_counts: Iterable[int] = ()) -> str:
-    """Give ``model`` compiled elementwise groups for steps of ``min_rows`` rows or more on any of
-    ``thread_counts`` (default: the current count), where it runs the narrowing path: a float32 residual
+    """Give ``model`` compiled elementwise groups for steps of ``min_rows`` rows or more (more than the int4
+    plan's rows where those compute in another dtype) on any of ``thread_counts`` (default: the current
+    count), where it runs the narrowing path: a float32 residual
     stream into bfloat16 projections (GGUF 4-bit weights on a CPU with native bfloat16). Returns what was
     done, for the start-up log."""
     off = off_narrowing_path(model)
@@ -137,6 +138,9 @@ def compile_layer_ops(model: LlamaModel, min_rows: int, thread_counts: Iterable[
         return f"eager ({off})"
     linear, w = model.linear, model._linears[0]
     assert isinstance(linear, Int4CpuLinear)
+    plan = linear.plan
+    if plan.act_dtype(min_rows) != plan.act_dtype(max(min_rows, plan.max_int4_rows + 1)):
+        min_rows = plan.max_int4_rows + 1  # the graphs take one activation dtype: the dense path's, above int4's rows
     act = linear.act_dtype(w.qkv, min_rows)
     if act == torch.float32 or any(linear.act_dtype(p, min_rows) != act for p in (w.o, w.gate_up, w.down)):
         return f"eager ({min_rows}-row steps compute in float32: no narrowing casts to fuse)"

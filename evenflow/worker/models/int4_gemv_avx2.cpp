@@ -13,14 +13,15 @@
 // shapes) beside the weight's, more than the hardware prefetcher follows: the strip order took a one-row
 // product over SmolLM2's projections to 0.90x its time (docs/results/quantization.md).
 //
-// The products are integers: x is rounded to 16 bits per group of 32 columns (x = xs * xq, |xq| <= 32767, xs
-// the group's largest |x| / 32767: an error of at most 2^-16 of that largest value, 128x finer than the
-// bfloat16 output's rounding), and two columns' bytes are interleaved so that each 32-bit lane holds one row's
-// two 4-bit values as 16-bit integers, which VPMADDWD multiplies by the two columns' xq and adds: one
-// instruction for eight rows and two columns, summed exactly in 32 bits over the group (at most
-// 16 x 2 x 15 x 32767 < 2^31). Why integers: a float32 conversion of every 4-bit value and an FMA per eight
-// rows and column take about twice the instructions, and bind a one-row product to the FP ports (~20 GB/s on a
-// 2-core AVX2 EPYC, below its memory's rate).
+// The products are integers, as llama.cpp's are: x is rounded to 8 bits per group of 32 columns (x = xs * xq,
+// |xq| <= 127, xs the group's largest |x| / 127, llama.cpp's Q8_0 for its Q4 products), and VPMADDUBSW
+// multiplies the 4-bit values (unsigned bytes) by xq (signed bytes) and adds pairs: one instruction for 16 rows
+// and two columns. Four columns are read as two 32-byte vectors (columns c, c+1 and c+2, c+3) whose bytes one
+// unpack interleaves, so each 16-bit lane holds one row's values of columns c and c+2 (or c+1 and c+3); a
+// group's sums stay exact in 16 bits (8 x 2 x 15 x 128 < 2^15) and are widened once a group. Why: the
+// 16-bit rounding (VPMADDWD on values widened to 16 bits) took twice the vector instructions a byte of weight,
+// and bound the product to the vector ports below the memory's rate on a 2-core AVX2 EPYC
+// (docs/results/quantization.md): 0.90-0.94x its time over SmolLM2's projections.
 // The weight is read once for up to kAvx2MaxRows rows of x (docs/results/quantization.md has the timings).
 
 #if defined(__x86_64__)
@@ -45,13 +46,16 @@ bool int4_avx2_supported() {
   return ok;
 }
 
-// x rounded to 16 bits per group of 32 columns, for rows x k bfloat16 values: ``pairs`` [rows][k / 2] the
-// columns (2i, 2i + 1) as two int16 in one word (low: 2i), ``scales`` and ``sums`` [rows][k / 32] each group's
-// xs and the sum of its rounded values (xs * sum(xq)), which the zeros multiply. Rounded to nearest (even).
-__attribute__((target(EVENFLOW_AVX2))) void round_rows(const uint16_t* x, int64_t rows, int64_t k, int32_t* pairs,
+// x rounded to 8 bits per group of 32 columns, to nearest (even), laid out for gemv_strip: ``quads`` [rows][k / 4]
+// [32], the 32 bytes of columns 4c .. 4c + 3 being (xq[4c], xq[4c + 2]) eight times, then (xq[4c + 1],
+// xq[4c + 3]) eight times (the pairs the weight's unpacked lanes hold); ``scales`` and ``sums`` [rows][k / 32]
+// each group's xs and xs * sum(xq), which the zeros multiply. A NaN in x makes its group's xs NaN.
+__attribute__((target(EVENFLOW_AVX2))) void round_rows(const uint16_t* x, int64_t rows, int64_t k, int8_t* quads,
                                                        float* scales, float* sums) {
   const int64_t groups = k / kAvx2Group;
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i spread = _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2,
+                                          1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
       const uint16_t* xg = x + r * k + g * kAvx2Group;
@@ -68,19 +72,26 @@ __attribute__((target(EVENFLOW_AVX2))) void round_rows(const uint16_t* x, int64_
       float most = 0.f;
       for (float lane : lanes) most = lane > most ? lane : most;
       if (_mm256_movemask_ps(nan)) most = __builtin_nanf("");  // a NaN in x makes the group's outputs NaN
-      const __m256 inverse = _mm256_set1_ps(most > 0.f ? 32767.f / most : 0.f);
-      __m256i q[4];  // |v| * 32767 / most <= 32767 and a little: it rounds to 32767 at most
+      const __m256 inverse = _mm256_set1_ps(most > 0.f ? 127.f / most : 0.f);
+      // |v| * 127 / most <= 127 and a little: it rounds to 127 at most (a NaN converts to -128)
+      __m256i q[4];
       for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
-      int32_t* out = pairs + r * (k / 2) + g * (kAvx2Group / 2);
-      for (int i = 0; i < 4; i += 2)  // packs interleaves the 128-bit lanes: the permute puts them back in order
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 4 * i),
-                            _mm256_permute4x64_epi64(_mm256_packs_epi32(q[i], q[i + 1]), 0xD8));
+      // int32 -> int8 in column order: packs interleave the 128-bit lanes, the permute puts them back
+      const __m256i words = _mm256_packs_epi32(q[0], q[1]), words2 = _mm256_packs_epi32(q[2], q[3]);
+      const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
+                                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      alignas(32) int32_t column_bytes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(column_bytes), bytes);
+      int8_t* out = quads + (r * groups + g) * kAvx2Group * 8;
+      for (int c = 0; c < 8; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * c),
+                           _mm256_shuffle_epi8(_mm256_set1_epi32(column_bytes[c]), spread));
       alignas(32) int32_t parts[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(parts),
                          _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
       int32_t total = 0;
       for (int32_t part : parts) total += part;
-      const float scale = most / 32767.f;
+      const float scale = most / 127.f;
       scales[r * groups + g] = scale;
       sums[r * groups + g] = scale * float(total);
     }
@@ -104,39 +115,52 @@ struct StripScales {
   int64_t run[4];
 };
 
+// A strip's 16 bytes of columns c and c + 1 as one vector, the columns ``kStride`` bytes apart (a tile's half
+// height: 16 in 32-row tiles, where they are one 32-byte load).
+template <int64_t kStride>
+__attribute__((target(EVENFLOW_AVX2))) inline __m256i two_columns(const uint8_t* p) {
+  if constexpr (kStride == 16) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kStride)), 1);
+}
+
+// A group's 16-bit sums, lane d + 8i holding row d's columns of one parity, as eight 32-bit sums a row.
+__attribute__((target(EVENFLOW_AVX2))) inline __m256i fold(__m256i acc) {
+  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc)),
+                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc, 1)));
+}
+
 // The 32 output rows of strip ``s`` of tile ``t`` (rows t*T + 16s + [0, 16) and t*T + T/2 + 16s + [0, 16)) for R
 // rows of x (``round_rows``'s). Accumulator j holds eight rows: j = 0, 1 the low nibbles of bytes [0, 8) and
 // [8, 16), j = 2, 3 the high ones; per group, its integer sums are scaled into float32 totals.
-template <int R>
-__attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int32_t* pairs, const float* scales, const float* sums,
+template <int R, int64_t kStride>
+__attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int8_t* quads, const float* scales, const float* sums,
                                                        int64_t k, int64_t n, int64_t tile_rows, const uint8_t* packed,
                                                        const StripScales& sz_at, int64_t t, int64_t s, uint16_t* y) {
-  const int64_t groups = k / kAvx2Group, stride = tile_rows / 2;
-  const int64_t first[4] = {t * tile_rows + 16 * s, t * tile_rows + 16 * s + 8, t * tile_rows + stride + 16 * s,
-                            t * tile_rows + stride + 16 * s + 8};
-  const uint8_t* strip = packed + t * k * stride + 16 * s;
-  const __m256i nibble = _mm256_set1_epi16(15);
+  const int64_t groups = k / kAvx2Group;
+  const int64_t first[4] = {t * tile_rows + 16 * s, t * tile_rows + 16 * s + 8, t * tile_rows + kStride + 16 * s,
+                            t * tile_rows + kStride + 16 * s + 8};
+  const uint8_t* strip = packed + t * k * kStride + 16 * s;
+  const __m256i nibble = _mm256_set1_epi8(15);
   alignas(32) float total[R][4][8] = {};  // in memory: touched once a group, and registers are the inner loop's
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][4];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_si256();
-    const uint8_t* p = strip + g * kAvx2Group * stride;
-    const int32_t* xg = pairs + g * (kAvx2Group / 2);
-#pragma GCC unroll 4
-    for (int c = 0; c < kAvx2Group / 2; ++c) {  // columns 2c and 2c + 1
-      _mm_prefetch(reinterpret_cast<const char*>(p + 2 * c * stride + kPrefetchBytes), _MM_HINT_T0);
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * c * stride));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (2 * c + 1) * stride));
-      // 16-bit words a0 b0 a1 b1 ...: lane d = byte d of both columns
-      const __m256i front = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, b));
-      const __m256i back = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(a, b));
-      __m256i xp[R];
-      for (int r = 0; r < R; ++r) xp[r] = _mm256_set1_epi32(xg[r * (k / 2) + c]);
-      for (int j = 0; j < 4; ++j) {
-        const __m256i half = j % 2 ? back : front;
-        const __m256i w = j < 2 ? _mm256_and_si256(half, nibble) : _mm256_srli_epi16(half, 4);
-        for (int r = 0; r < R; ++r) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(w, xp[r]));
+    const uint8_t* p = strip + g * kAvx2Group * kStride;
+#pragma GCC unroll 8
+    for (int c = 0; c < kAvx2Group / 4; ++c) {  // columns 4c .. 4c + 3
+      _mm_prefetch(reinterpret_cast<const char*>(p + 4 * c * kStride + kPrefetchBytes), _MM_HINT_T0);
+      const __m256i a = two_columns<kStride>(p + 4 * c * kStride);
+      const __m256i b = two_columns<kStride>(p + (4 * c + 2) * kStride);
+      // per 128-bit lane, 16-bit words (byte d of column c or c + 1, byte d of column c + 2 or c + 3)
+      const __m256i front = _mm256_unpacklo_epi8(a, b), back = _mm256_unpackhi_epi8(a, b);
+      const __m256i w[4] = {_mm256_and_si256(front, nibble), _mm256_and_si256(back, nibble),
+                            _mm256_and_si256(_mm256_srli_epi16(front, 4), nibble),
+                            _mm256_and_si256(_mm256_srli_epi16(back, 4), nibble)};
+      for (int r = 0; r < R; ++r) {
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + (r * groups + g) * 256 + 32 * c));
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_add_epi16(acc[r][j], _mm256_maddubs_epi16(w[j], xq));
       }
     }
     for (int j = 0; j < 4; ++j) {
@@ -147,7 +171,7 @@ __attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int32_t* pairs, con
       const __m256 offset = _mm256_fmadd_ps(scale, _mm256_set1_ps(-8.f), zero);
       for (int r = 0; r < R; ++r) {
         const __m256 scaled = _mm256_mul_ps(scale, _mm256_set1_ps(scales[r * groups + g]));
-        const __m256 sum = _mm256_fmadd_ps(scaled, _mm256_cvtepi32_ps(acc[r][j]), _mm256_load_ps(total[r][j]));
+        const __m256 sum = _mm256_fmadd_ps(scaled, _mm256_cvtepi32_ps(fold(acc[r][j])), _mm256_load_ps(total[r][j]));
         _mm256_store_ps(total[r][j], _mm256_fmadd_ps(offset, _mm256_set1_ps(sums[r * groups + g]), sum));
       }
     }
@@ -157,28 +181,39 @@ __attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int32_t* pairs, con
       _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * n + first[j]), to_bf16(_mm256_load_ps(total[r][j])));
 }
 
+// int4_gemv_avx2 for tiles whose columns are ``kStride`` bytes apart.
+template <int64_t kStride>
+void strips(const int8_t* quads, const float* scales, const float* sums, int64_t rows, int64_t k,
+            const uint8_t* packed, const uint16_t* scale_zeros, const uint16_t* strip_scales, int64_t n,
+            int64_t tile_rows, uint16_t* y, int threads) {
+  const int64_t per_tile = tile_rows / kAvx2Strip, groups = k / kAvx2Group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < n / kAvx2Strip; ++i) {
+    const int64_t t = i / per_tile, s = i % per_tile;
+    const StripScales sz_at =
+        strip_scales ? StripScales{strip_scales + i * groups * kAvx2Strip * 2, kAvx2Strip * 2, {0, 16, 32, 48}}
+                     : StripScales{scale_zeros + (t * tile_rows + 16 * s) * 2, 2 * n, {0, 16, 2 * kStride, 2 * kStride + 16}};
+    for (int64_t r = 0; r < rows; r += kAvx2MaxRows) {
+      const int8_t* xr = quads + r * groups * 256;
+      const float *xs = scales + r * groups, *sr = sums + r * groups;
+      if (rows - r == 1)
+        gemv_strip<1, kStride>(xr, xs, sr, k, n, tile_rows, packed, sz_at, t, s, y + r * n);
+      else
+        gemv_strip<2, kStride>(xr, xs, sr, k, n, tile_rows, packed, sz_at, t, s, y + r * n);
+    }
+  }
+}
+
 // y [rows, n] = x [rows, k] @ W.T (bfloat16 row-major; x as ``round_rows`` gives it): the tiles' strips split
 // between ``threads``, each output computed by one thread in one order, the same for any block of rows.
 // ``strip_scales``: the scales and zeros in strip order, or null to read ``scale_zeros`` (torch's order).
-void int4_gemv_avx2(const int32_t* pairs, const float* scales, const float* sums, int64_t rows, int64_t k,
+void int4_gemv_avx2(const int8_t* quads, const float* scales, const float* sums, int64_t rows, int64_t k,
                     const uint8_t* packed, const uint16_t* scale_zeros, const uint16_t* strip_scales, int64_t n,
                     int64_t tile_rows, uint16_t* y, int threads) {
-  const int64_t strips = tile_rows / kAvx2Strip, groups = k / kAvx2Group, half = tile_rows / 2;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < n / kAvx2Strip; ++i) {
-    const int64_t t = i / strips, s = i % strips;
-    const StripScales sz_at =
-        strip_scales ? StripScales{strip_scales + i * groups * kAvx2Strip * 2, kAvx2Strip * 2, {0, 16, 32, 48}}
-                     : StripScales{scale_zeros + (t * tile_rows + 16 * s) * 2, 2 * n, {0, 16, 2 * half, 2 * half + 16}};
-    for (int64_t r = 0; r < rows; r += kAvx2MaxRows) {
-      const int32_t* xr = pairs + r * (k / 2);
-      const float *xs = scales + r * groups, *sr = sums + r * groups;
-      if (rows - r == 1)
-        gemv_strip<1>(xr, xs, sr, k, n, tile_rows, packed, sz_at, t, s, y + r * n);
-      else
-        gemv_strip<2>(xr, xs, sr, k, n, tile_rows, packed, sz_at, t, s, y + r * n);
-    }
-  }
+  if (tile_rows == 32)
+    strips<16>(quads, scales, sums, rows, k, packed, scale_zeros, strip_scales, n, tile_rows, y, threads);
+  else
+    strips<32>(quads, scales, sums, rows, k, packed, scale_zeros, strip_scales, n, tile_rows, y, threads);
 }
 #else
 bool int4_avx2_supported() { return false; }

@@ -5,9 +5,10 @@ served with ``--quantization gguf`` (4-bit projections, bfloat16 activations in 
 Stated tolerances (measured 2026-12-01: decode path ppl ratio 0.9994, mean |dlogit| 0.064, max 0.73;
 prefill path 1.0069, 0.134, 0.85; the float16 copy's, 2026-12-03: 0.9981, 0.036, 0.25; the prefill path with
 compiled elementwise groups over 324 tokens, 2026-12-05: 1.0014, 0.132, 1.05, eager 1.0025, 0.141, 0.92;
+evenflow's GEMV on AVX2, x rounded to 8 bits per 16 columns, 2026-12-07: 0.9926, 0.127, 0.79;
 logits span about +-35):
-- perplexity of a fixed text within 1% of the float32 path's, through the int4 kernel (1 row a step)
-  and through the dequantized bfloat16 path (the whole text in one step);
+- perplexity of a fixed text within 1% of the float32 path's, through torch's int4 kernel and evenflow's
+  GEMV (4 rows a step) and through the dense paths (the whole text in one step);
 - logits: mean |difference| <= 0.25, max <= 2.0;
 - greedy: on reference prompts, the float32 path's greedy continuation teacher-forced through the int4 path
   picks the same token wherever the float32 path's top two logits are 0.5 or more apart.
@@ -25,6 +26,7 @@ from torch._dynamo.utils import counters
 from evenflow.frontend.tokenizer import Tokenizer
 from evenflow.worker.models.compiled_ops import COMPILE_MIN_ROWS, compile_layer_ops
 from evenflow.worker.models.fp16_gemm import fp16_gemm_works
+from evenflow.worker.models.int4_gemv import GemvRows, load_int4_gemv
 from evenflow.worker.models.int4_linear import Int4CpuLinear, Int4Plan
 from evenflow.worker.runner import ModelRunner
 from tests.worker.harness import Job, greedy, make_runner, run_jobs
@@ -96,7 +98,7 @@ def _dense_plan(path: str) -> Int4Plan:
     return Int4Plan(0, torch.bfloat16 if "bfloat16" in path else torch.float32, "test")
 
 
-PATHS = ["int4 kernel", "dequantized bfloat16", "dequantized float32", "float16 copy"]
+PATHS = ["int4 kernel", "evenflow's GEMV", "dequantized bfloat16", "dequantized float32", "float16 copy"]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -110,6 +112,11 @@ def test_int4_logits_and_perplexity_track_the_float32_path(path: str, text_refer
     try:  # the path under test, whatever this machine's start-up measurement chose
         if path == "int4 kernel":
             kernel.plan, chunk = Int4Plan(DECODE_ROWS, saved.dense_dtype, "test"), DECODE_ROWS
+        elif path == "evenflow's GEMV":
+            if load_int4_gemv() is None:
+                pytest.skip("evenflow's int4 GEMV does not run here")
+            gemv = GemvRows(1, DECODE_ROWS)
+            kernel.plan, chunk = Int4Plan(DECODE_ROWS, saved.dense_dtype, "test", gemv_rows=gemv), DECODE_ROWS
         else:
             kernel.plan, chunk = _dense_plan(path), len(ids)
         got = score(int4_runner, ids, chunk)

@@ -36,14 +36,15 @@ def _weight(n: int, k: int, seed: int) -> tuple[Int4Weight, torch.Tensor]:
 
 
 def _as_the_kernel_reads(x: torch.Tensor, isa: str) -> torch.Tensor:
-    """``x`` (bfloat16) in float64 as the kernel multiplies it: on the AVX2 path rounded to 8 bits per group of 32
-    columns (xs = the group's largest |x| / 127, xq = x * (127 / largest) to nearest even, in float32 as there)."""
+    """``x`` (bfloat16) in float64 as the kernel multiplies it: on the AVX2 path rounded to 8 bits with a scale per
+    16 columns, the even and the odd ones of each group of 32 (xs = their largest |x| / 127, xq = x * (127 /
+    largest) to nearest even, in float32 as there)."""
     if isa != "AVX2":
         return x.double()
-    groups = x.float().view(*x.shape[:-1], -1, GROUP)
-    most = groups.abs().amax(-1, keepdim=True)
+    halves = x.float().view(*x.shape[:-1], -1, GROUP // 2, 2)  # [..., group, column pair, parity]
+    most = halves.abs().amax(-2, keepdim=True)
     inverse = torch.full_like(most, 127.0).div(most)  # 127 / most divides (a tensor's __rtruediv__ takes a reciprocal)
-    xq = torch.round(groups * torch.where(most > 0, inverse, 0))
+    xq = torch.round(halves * torch.where(most > 0, inverse, 0))
     return (xq.double() * (most / 127).double()).view(x.shape)
 
 

@@ -287,7 +287,7 @@ int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* pa
   thread_local std::vector<int8_t> quads;
   thread_local std::vector<float> scales, sums;
   quads.resize(rows * k * 8);
-  scales.resize(rows * (k / kGemvGroup));
+  scales.resize(2 * rows * (k / kGemvGroup));
   sums.resize(rows * (k / kGemvGroup));
   round_rows(x, rows, k, quads.data(), scales.data(), sums.data());
   int4_gemv_avx2(quads.data(), scales.data(), sums.data(), rows, k, packed, scale_zeros, strip_scales, n, tile_rows, y,

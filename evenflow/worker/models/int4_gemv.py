@@ -9,8 +9,8 @@ values: the same bfloat16 activations, float32 sums, a bfloat16 result. Torch's 
 with the rows (6 rows cost 2-3x one row); from 3 rows on, where the CPU has AMX, the same unpacked values
 are AMX tiles, and 16 rows cost about what 2 do (0.23-0.35x torch's kernel at 16 rows). On CPUs without
 AVX-512 BF16 (AVX2), int4_gemv_avx2.cpp reads torch's 32-row tiles (or 64-row ones) once for up to two rows of x,
-with x rounded to 8-bit integers per group of 32 as llama.cpp rounds it for its Q4 products (Q8_0: 2^-8 of the
-group's largest value) and the products summed exactly by VPMADDUBSW, two columns and 16 rows an instruction:
+with x rounded to 8-bit integers as llama.cpp rounds it for its Q4 products but with a scale per 16 columns (2^-8
+of their largest value) and the products summed exactly by VPMADDUBSW, two columns and 16 rows an instruction:
 on a 2-core AVX2 EPYC SmolLM2's projections took 0.90-0.94x the time of the 16-bit rounding's VPMADDWD (itself
 0.81-0.83x a one-row step's float32 FMAs, themselves 0.38-0.47x torch's kernel's time).
 That kernel reads the scales and zeros from a copy in its own order (``gemv_layout``), each 32-row strip's in one

@@ -13,8 +13,10 @@
 // shapes) beside the weight's, more than the hardware prefetcher follows: the strip order took a one-row
 // product over SmolLM2's projections to 0.90x its time (docs/results/quantization.md).
 //
-// The products are integers, as llama.cpp's are: x is rounded to 8 bits per group of 32 columns (x = xs * xq,
-// |xq| <= 127, xs the group's largest |x| / 127, llama.cpp's Q8_0 for its Q4 products), and VPMADDUBSW
+// The products are integers, as llama.cpp's are: x is rounded to 8 bits (x = xs * xq, |xq| <= 127) with a scale
+// xs per 16 columns, the even and the odd columns of each group of 32 (the largest |x| of the 16 over 127;
+// llama.cpp's Q8_0 takes one per 32, which on SmolLM2 moved its perplexity up to 1.0% from the float32 path's
+// on a 108-token text), and VPMADDUBSW
 // multiplies the 4-bit values (unsigned bytes) by xq (signed bytes) and adds pairs: one instruction for 16 rows
 // and two columns. Four columns are read as two 32-byte vectors (columns c, c+1 and c+2, c+3) whose bytes one
 // unpack interleaves, so each 16-bit lane holds one row's values of columns c and c+2 (or c+1 and c+3); a
@@ -46,10 +48,11 @@ bool int4_avx2_supported() {
   return ok;
 }
 
-// x rounded to 8 bits per group of 32 columns, to nearest (even), laid out for gemv_strip: ``quads`` [rows][k / 4]
-// [32], the 32 bytes of columns 4c .. 4c + 3 being (xq[4c], xq[4c + 2]) eight times, then (xq[4c + 1],
-// xq[4c + 3]) eight times (the pairs the weight's unpacked lanes hold); ``scales`` and ``sums`` [rows][k / 32]
-// each group's xs and xs * sum(xq), which the zeros multiply. A NaN in x makes its group's xs NaN.
+// x rounded to 8 bits, to nearest (even), laid out for gemv_strip: ``quads`` [rows][k / 4][32], the 32 bytes of
+// columns 4c .. 4c + 3 being (xq[4c], xq[4c + 2]) eight times, then (xq[4c + 1], xq[4c + 3]) eight times (the
+// pairs the weight's unpacked lanes hold); ``scales`` [rows][k / 32][2] each group's xs of its even and its
+// odd columns; ``sums`` [rows][k / 32] each group's sum(xs * xq), which the zeros multiply. A NaN in x makes
+// its group's scales NaN.
 __attribute__((target(EVENFLOW_AVX2))) void round_rows(const uint16_t* x, int64_t rows, int64_t k, int8_t* quads,
                                                        float* scales, float* sums) {
   const int64_t groups = k / kAvx2Group;
@@ -67,12 +70,13 @@ __attribute__((target(EVENFLOW_AVX2))) void round_rows(const uint16_t* x, int64_
         largest = _mm256_max_ps(largest, _mm256_and_ps(v[i], magnitude));
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
       }
-      alignas(32) float lanes[8];
+      alignas(32) float lanes[8];  // lane i: the largest |x| of the group's columns i mod 8
       _mm256_store_ps(lanes, largest);
-      float most = 0.f;
-      for (float lane : lanes) most = lane > most ? lane : most;
-      if (_mm256_movemask_ps(nan)) most = __builtin_nanf("");  // a NaN in x makes the group's outputs NaN
-      const __m256 inverse = _mm256_set1_ps(most > 0.f ? 127.f / most : 0.f);
+      float most[2] = {0.f, 0.f};  // of the even columns, of the odd ones
+      for (int i = 0; i < 8; ++i) most[i % 2] = lanes[i] > most[i % 2] ? lanes[i] : most[i % 2];
+      if (_mm256_movemask_ps(nan)) most[0] = most[1] = __builtin_nanf("");  // a NaN in x: the group's outputs NaN
+      const float even = most[0] > 0.f ? 127.f / most[0] : 0.f, odd = most[1] > 0.f ? 127.f / most[1] : 0.f;
+      const __m256 inverse = _mm256_setr_ps(even, odd, even, odd, even, odd, even, odd);
       // |v| * 127 / most <= 127 and a little: it rounds to 127 at most (a NaN converts to -128)
       __m256i q[4];
       for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
@@ -89,11 +93,12 @@ __attribute__((target(EVENFLOW_AVX2))) void round_rows(const uint16_t* x, int64_
       alignas(32) int32_t parts[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(parts),
                          _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-      int32_t total = 0;
-      for (int32_t part : parts) total += part;
-      const float scale = most / 127.f;
-      scales[r * groups + g] = scale;
-      sums[r * groups + g] = scale * float(total);
+      int32_t total[2] = {0, 0};
+      for (int i = 0; i < 8; ++i) total[i % 2] += parts[i];
+      const float scale[2] = {most[0] / 127.f, most[1] / 127.f};
+      scales[2 * (r * groups + g)] = scale[0];
+      scales[2 * (r * groups + g) + 1] = scale[1];
+      sums[r * groups + g] = scale[0] * float(total[0]) + scale[1] * float(total[1]);
     }
 }
 
@@ -124,10 +129,12 @@ __attribute__((target(EVENFLOW_AVX2))) inline __m256i two_columns(const uint8_t*
                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kStride)), 1);
 }
 
-// A group's 16-bit sums, lane d + 8i holding row d's columns of one parity, as eight 32-bit sums a row.
-__attribute__((target(EVENFLOW_AVX2))) inline __m256i fold(__m256i acc) {
-  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc)),
-                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc, 1)));
+// A group's 16-bit sums, lane d holding row d's even columns and lane d + 8 its odd ones, as floats.
+__attribute__((target(EVENFLOW_AVX2))) inline __m256 even_sums(__m256i acc) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc)));
+}
+__attribute__((target(EVENFLOW_AVX2))) inline __m256 odd_sums(__m256i acc) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc, 1)));
 }
 
 // The 32 output rows of strip ``s`` of tile ``t`` (rows t*T + 16s + [0, 16) and t*T + T/2 + 16s + [0, 16)) for R
@@ -170,8 +177,10 @@ __attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int8_t* quads, cons
       const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(sz, _mm256_set1_epi32(int(0xFFFF0000u))));
       const __m256 offset = _mm256_fmadd_ps(scale, _mm256_set1_ps(-8.f), zero);
       for (int r = 0; r < R; ++r) {
-        const __m256 scaled = _mm256_mul_ps(scale, _mm256_set1_ps(scales[r * groups + g]));
-        const __m256 sum = _mm256_fmadd_ps(scaled, _mm256_cvtepi32_ps(fold(acc[r][j])), _mm256_load_ps(total[r][j]));
+        const float* xs = scales + 2 * (r * groups + g);
+        __m256 sum = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xs[0])), even_sums(acc[r][j]),
+                                     _mm256_load_ps(total[r][j]));
+        sum = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xs[1])), odd_sums(acc[r][j]), sum);
         _mm256_store_ps(total[r][j], _mm256_fmadd_ps(offset, _mm256_set1_ps(sums[r * groups + g]), sum));
       }
     }
@@ -195,7 +204,7 @@ void strips(const int8_t* quads, const float* scales, const float* sums, int64_t
                      : StripScales{scale_zeros + (t * tile_rows + 16 * s) * 2, 2 * n, {0, 16, 2 * kStride, 2 * kStride + 16}};
     for (int64_t r = 0; r < rows; r += kAvx2MaxRows) {
       const int8_t* xr = quads + r * groups * 256;
-      const float *xs = scales + r * groups, *sr = sums + r * groups;
+      const float *xs = scales + 2 * r * groups, *sr = sums + r * groups;
       if (rows - r == 1)
         gemv_strip<1, kStride>(xr, xs, sr, k, n, tile_rows, packed, sz_at, t, s, y + r * n);
       else

@@ -170,6 +170,35 @@ def test_cpu_decode_kernel_reads_the_engines_layouts() -> None:
     assert (out[4:] == 7.0).all()
 
 
+@pytest.mark.parametrize("lens", [[2600], [1100, 3], [5000, 700, 0]], ids=["one", "long-and-short", "with-empty"])
+def test_cpu_decode_kernel_splits_few_long_contexts(lens: list[int]) -> None:
+    """Few (request, KV head) pairs with long contexts: each context in parts, one thread a part, the parts'
+    softmax sums rescaled to the largest score; a request's parts may be empty (a short context) and a
+    request with no keys gives zeros. Against PyTorch's attention on the same rounded inputs."""
+    heads, hkv, d, bs = 9, 3, 64, 16
+    kernel = PagedDecodeKernel(heads, hkv, d, torch.bfloat16, torch.device("cpu"))
+    if not kernel.available:
+        pytest.skip("the C++ decode kernel did not build here (no compiler)")
+    g = torch.Generator().manual_seed(len(lens))
+    rows, per_row = len(lens), -(-max(lens) // bs)
+    table = torch.randperm(rows * per_row + 5, generator=g)[: rows * per_row].view(rows, per_row).to(torch.int32)
+    kc, vc = (torch.randn(rows * per_row + 5, bs, hkv, d, generator=g).bfloat16() for _ in range(2))
+    kc[:, :, 0] *= 4  # one KV head's scores spread wide: a part's largest score far from another's
+    q = torch.randn(rows, heads, d, generator=g).bfloat16()
+    out = torch.full((rows, heads * d), 7.0, dtype=torch.bfloat16)
+    kernel(q, kc, vc, table, torch.tensor(lens, dtype=torch.int32), out, d**-0.5)
+    for r, n in enumerate(lens):
+        if n == 0:
+            assert (out[r] == 0).all()
+            continue
+        ids = table[r, : -(-n // bs)].long()
+        k = kc.index_select(0, ids).view(-1, hkv, d)[:n].transpose(0, 1)
+        v = vc.index_select(0, ids).view(-1, hkv, d)[:n].transpose(0, 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(q[r].view(hkv, heads // hkv, d).float(), k.float(),
+                                                               v.float(), scale=d**-0.5)
+        torch.testing.assert_close(out[r].float(), ref.reshape(-1), atol=1e-2, rtol=1e-2)
+
+
 def test_cpu_decode_kernel_is_not_taken_for_heads_it_does_not_serve() -> None:
     """More than 16 query heads a KV head, a head_dim other than 64 or 128, a float32 cache: PyTorch's attention."""
     for heads, hkv, d, dtype in ((34, 2, 64, torch.bfloat16), (6, 2, 96, torch.bfloat16), (9, 3, 64, torch.float32)):

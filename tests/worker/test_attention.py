@@ -187,6 +187,13 @@ def test_cpu_decode_kernel_splits_few_long_contexts(lens: list[int]) -> None:
     q = torch.randn(rows, heads, d, generator=g).bfloat16()
     out = torch.full((rows, heads * d), 7.0, dtype=torch.bfloat16)
     kernel(q, kc, vc, table, torch.tensor(lens, dtype=torch.int32), out, d**-0.5)
+    prior, alone = torch.get_num_threads(), torch.empty_like(out)
+    try:  # the parts are fixed by the contexts, not the threads: the same bits on one thread
+        torch.set_num_threads(1)
+        kernel(q, kc, vc, table, torch.tensor(lens, dtype=torch.int32), alone, d**-0.5)
+    finally:
+        torch.set_num_threads(prior)
+    assert torch.equal(alone, out)
     for r, n in enumerate(lens):
         if n == 0:
             assert (out[r] == 0).all()

@@ -1,13 +1,15 @@
 """The engine's own numbers, scraped from its Prometheus ``/metrics`` (``evenflow:`` or ``vllm:``).
 
-Counters are read before and after a run and differenced; gauges (KV-cache usage) are polled
-during the run for their peak. Names are matched without their prefix, so one reader serves
+Counters are read before and after a run and differenced; gauges are polled during the run: the
+KV-cache usage for its peak, the adaptive budget's target for the values it took (a derived target
+moves with the load, so the value at the end need not be the one the run's gaps were held to). Names are matched without their prefix, so one reader serves
 evenflow and vLLM; labelled series of one name are summed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -31,7 +33,7 @@ BUSY_SECONDS = ("worker_forward_seconds_total", "model_forward_seconds_total", "
 BUDGET_SUM, BUDGET_COUNT = ("token_budget_tokens_sum",), ("token_budget_tokens_count",)
 TARGET_STEPS, TARGET_WITHIN = ("target_steps_total",), ("target_steps_within_total",)
 PREDICTED_S, MEASURED_S = ("step_time_predicted_seconds_total",), ("step_time_measured_seconds_total",)
-TARGET_ITL_S = ("target_itl_seconds",)  # a gauge: the target in use at the end of the run (derived or given)
+TARGET_ITL_S = ("target_itl_seconds",)  # a gauge: the target in use now (derived or given)
 
 
 @dataclass
@@ -65,7 +67,10 @@ class EngineNumbers:
     mean_token_budget: float | None = None  # the adaptive budget's choices
     within_target_share: float | None = None  # of its planned steps, measured within the target
     measured_over_predicted: float | None = None
-    target_itl_ms: float | None = None  # the target in use at the end (0: a fixed budget)
+    target_itl_ms: float | None = None  # the target in force through the run: the median of its samples (0: fixed)
+    target_itl_ms_low: float | None = None  # the lowest and highest sample, and the value at the end
+    target_itl_ms_high: float | None = None
+    target_itl_ms_end: float | None = None
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -118,6 +123,7 @@ class MetricsWatcher:
         self.before: MetricsSnapshot | None = None
         self.after: MetricsSnapshot | None = None
         self.kv_usage_peak: float | None = None
+        self.target_samples_s: list[float] = []  # the target at each poll during the run and at stop
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
@@ -131,12 +137,15 @@ class MetricsWatcher:
             await asyncio.sleep(self._interval_s)
             snap = await scrape(self._session, self._base_url)
             if snap is not None:
-                self._note_peak(snap)
+                self._note_gauges(snap)
 
-    def _note_peak(self, snap: MetricsSnapshot) -> None:
+    def _note_gauges(self, snap: MetricsSnapshot) -> None:
         usage = snap.first(KV_USAGE)
         if usage is not None:
             self.kv_usage_peak = usage if self.kv_usage_peak is None else max(self.kv_usage_peak, usage)
+        target = snap.first(TARGET_ITL_S)
+        if target is not None:
+            self.target_samples_s.append(target)
 
     async def stop(self) -> EngineNumbers:
         if self._task is not None:
@@ -146,14 +155,16 @@ class MetricsWatcher:
             self.after = await scrape(self._session, self._base_url)
             await self._session.close()
         if self.after is not None:
-            self._note_peak(self.after)
-        return engine_numbers(self.before, self.after, self.kv_usage_peak)
+            self._note_gauges(self.after)
+        return engine_numbers(self.before, self.after, self.kv_usage_peak, self.target_samples_s)
 
 
 def engine_numbers(
-    before: MetricsSnapshot | None, after: MetricsSnapshot | None, kv_usage_peak: float | None
+    before: MetricsSnapshot | None, after: MetricsSnapshot | None, kv_usage_peak: float | None,
+    target_samples_s: list[float] | None = None,
 ) -> EngineNumbers:
-    """Counter differences over the run, and the derived rates."""
+    """Counter differences over the run, and the derived rates. The target is judged by its samples
+    (polls at a fixed interval, so their median is the value in force for half the run's time)."""
 
     def delta(names: tuple[str, ...]) -> float | None:
         if before is None or after is None:
@@ -168,6 +179,10 @@ def engine_numbers(
         step_tokens = gen + prompt
     busy = delta(BUSY_SECONDS)
     elapsed = (after.time_s - before.time_s) if (before and after) else None
+
+    targets = list(target_samples_s or [])
+    if after is not None and not targets and after.first(TARGET_ITL_S) is not None:
+        targets = [after.first(TARGET_ITL_S)]
 
     def ratio(num: tuple[str, ...], den: tuple[str, ...]) -> float | None:
         a, b = delta(num), delta(den)
@@ -187,5 +202,8 @@ def engine_numbers(
         mean_token_budget=ratio(BUDGET_SUM, BUDGET_COUNT),
         within_target_share=ratio(TARGET_WITHIN, TARGET_STEPS),
         measured_over_predicted=ratio(MEASURED_S, PREDICTED_S),
-        target_itl_ms=None if after is None or after.first(TARGET_ITL_S) is None else 1e3 * after.first(TARGET_ITL_S),
+        target_itl_ms=1e3 * statistics.median(targets) if targets else None,
+        target_itl_ms_low=1e3 * min(targets) if targets else None,
+        target_itl_ms_high=1e3 * max(targets) if targets else None,
+        target_itl_ms_end=1e3 * targets[-1] if targets else None,
     )

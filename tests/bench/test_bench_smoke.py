@@ -68,7 +68,19 @@ def test_prometheus_both_prefixes_labels_summed() -> None:
     nums = engine_numbers(before, after, 0.5)
     assert nums.tokens_per_step == pytest.approx(30.0)
     assert nums.prefix_hit_rate == pytest.approx(0.5)
-    assert nums.preemptions is None
+    assert nums.preemptions is None and nums.target_itl_ms is None
+
+
+def test_a_moving_target_is_judged_by_its_run_median_not_its_end_value() -> None:
+    # A derived target falls once the last long prompt is done: the run's gaps were held to the
+    # values before, so the verdict must not read the run against the value at the end.
+    before = MetricsSnapshot({"target_itl_seconds": 0.30}, 0.0)
+    after = MetricsSnapshot({"target_itl_seconds": 0.25}, 9.0)
+    nums = engine_numbers(before, after, None, [0.30, 0.34, 0.41, 0.33, 0.28, 0.25])
+    assert nums.target_itl_ms == pytest.approx(315.0)
+    assert (nums.target_itl_ms_low, nums.target_itl_ms_high, nums.target_itl_ms_end) == pytest.approx((250, 410, 250))
+    # No polls (a run shorter than the interval): the value at the end is all there is.
+    assert engine_numbers(before, after, None, []).target_itl_ms == pytest.approx(250.0)
 
 
 def test_poisson_is_seeded_bounded_and_clipped() -> None:

@@ -284,13 +284,13 @@ int int4_gemv_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* pa
 #endif
 #ifdef EVENFLOW_INT4_AVX2
   // The calling thread's, kept across calls: a decode step's products allocate nothing once warm.
-  thread_local std::vector<int8_t> quads;
+  thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> scales, sums;
-  quads.resize(rows * k * 8);
+  xq.resize(rows * k);
   scales.resize(2 * rows * (k / kGemvGroup));
   sums.resize(rows * (k / kGemvGroup));
-  round_rows(x, rows, k, quads.data(), scales.data(), sums.data());
-  int4_gemv_avx2(quads.data(), scales.data(), sums.data(), rows, k, packed, scale_zeros, strip_scales, n, tile_rows, y,
+  round_rows(x, rows, k, xq.data(), scales.data(), sums.data());
+  int4_gemv_avx2(xq.data(), scales.data(), sums.data(), rows, k, packed, scale_zeros, strip_scales, n, tile_rows, y,
                  threads);
 #endif
   return 0;

@@ -48,17 +48,14 @@ bool int4_avx2_supported() {
   return ok;
 }
 
-// x rounded to 8 bits, to nearest (even), laid out for gemv_strip: ``quads`` [rows][k / 4][32], the 32 bytes of
-// columns 4c .. 4c + 3 being (xq[4c], xq[4c + 2]) eight times, then (xq[4c + 1], xq[4c + 3]) eight times (the
-// pairs the weight's unpacked lanes hold); ``scales`` [rows][k / 32][2] each group's xs of its even and its
+// x rounded to 8 bits, to nearest (even): ``xq`` [rows][k] in column order (gemv_strip spreads each four
+// columns into the pairs the weight's unpacked lanes hold); ``scales`` [rows][k / 32][2] each group's xs of its even and its
 // odd columns; ``sums`` [rows][k / 32] each group's sum(xs * xq), which the zeros multiply. A NaN in x makes
 // its group's scales NaN.
-__attribute__((target(EVENFLOW_AVX2))) void round_rows(const uint16_t* x, int64_t rows, int64_t k, int8_t* quads,
+__attribute__((target(EVENFLOW_AVX2))) void round_rows(const uint16_t* x, int64_t rows, int64_t k, int8_t* xq,
                                                        float* scales, float* sums) {
   const int64_t groups = k / kAvx2Group;
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  const __m256i spread = _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2,
-                                          1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
       const uint16_t* xg = x + r * k + g * kAvx2Group;
@@ -84,12 +81,7 @@ __attribute__((target(EVENFLOW_AVX2))) void round_rows(const uint16_t* x, int64_
       const __m256i words = _mm256_packs_epi32(q[0], q[1]), words2 = _mm256_packs_epi32(q[2], q[3]);
       const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
                                                         _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      alignas(32) int32_t column_bytes[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(column_bytes), bytes);
-      int8_t* out = quads + (r * groups + g) * kAvx2Group * 8;
-      for (int c = 0; c < 8; ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * c),
-                           _mm256_shuffle_epi8(_mm256_set1_epi32(column_bytes[c]), spread));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * k + g * kAvx2Group), bytes);
       alignas(32) int32_t parts[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(parts),
                          _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
@@ -138,10 +130,12 @@ __attribute__((target(EVENFLOW_AVX2))) inline __m256 odd_sums(__m256i acc) {
 }
 
 // The 32 output rows of strip ``s`` of tile ``t`` (rows t*T + 16s + [0, 16) and t*T + T/2 + 16s + [0, 16)) for R
-// rows of x (``round_rows``'s). Accumulator j holds eight rows: j = 0, 1 the low nibbles of bytes [0, 8) and
+// rows of x (``round_rows``'s). Each four columns of a row of xq are read as one 4-byte broadcast and spread
+// into (xq[4c], xq[4c + 2]) eight times, then (xq[4c + 1], xq[4c + 3]) eight times: x stays a byte a value,
+// which a step of hundreds of rows keeps in L2 (spread in memory, 8 bytes a value, it was not). Accumulator j holds eight rows: j = 0, 1 the low nibbles of bytes [0, 8) and
 // [8, 16), j = 2, 3 the high ones; per group, its integer sums are scaled into float32 totals.
 template <int R, int64_t kStride>
-__attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int8_t* quads, const float* scales, const float* sums,
+__attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int8_t* xq, const float* scales, const float* sums,
                                                        int64_t k, int64_t n, int64_t tile_rows, const uint8_t* packed,
                                                        const StripScales& sz_at, int64_t t, int64_t s, uint16_t* y) {
   const int64_t groups = k / kAvx2Group;
@@ -149,6 +143,8 @@ __attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int8_t* quads, cons
                             t * tile_rows + kStride + 16 * s + 8};
   const uint8_t* strip = packed + t * k * kStride + 16 * s;
   const __m256i nibble = _mm256_set1_epi8(15);
+  const __m256i spread = _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2,
+                                          1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3);
   alignas(32) float total[R][4][8] = {};  // in memory: touched once a group, and registers are the inner loop's
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][4];
@@ -166,8 +162,10 @@ __attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int8_t* quads, cons
                             _mm256_and_si256(_mm256_srli_epi16(front, 4), nibble),
                             _mm256_and_si256(_mm256_srli_epi16(back, 4), nibble)};
       for (int r = 0; r < R; ++r) {
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + (r * groups + g) * 256 + 32 * c));
-        for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_add_epi16(acc[r][j], _mm256_maddubs_epi16(w[j], xq));
+        int32_t four;
+        std::memcpy(&four, xq + r * k + g * kAvx2Group + 4 * c, sizeof four);
+        const __m256i xr = _mm256_shuffle_epi8(_mm256_set1_epi32(four), spread);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_add_epi16(acc[r][j], _mm256_maddubs_epi16(w[j], xr));
       }
     }
     for (int j = 0; j < 4; ++j) {
@@ -192,7 +190,7 @@ __attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int8_t* quads, cons
 
 // int4_gemv_avx2 for tiles whose columns are ``kStride`` bytes apart.
 template <int64_t kStride>
-void strips(const int8_t* quads, const float* scales, const float* sums, int64_t rows, int64_t k,
+void strips(const int8_t* xq, const float* scales, const float* sums, int64_t rows, int64_t k,
             const uint8_t* packed, const uint16_t* scale_zeros, const uint16_t* strip_scales, int64_t n,
             int64_t tile_rows, uint16_t* y, int threads) {
   const int64_t per_tile = tile_rows / kAvx2Strip, groups = k / kAvx2Group;
@@ -203,7 +201,7 @@ void strips(const int8_t* quads, const float* scales, const float* sums, int64_t
         strip_scales ? StripScales{strip_scales + i * groups * kAvx2Strip * 2, kAvx2Strip * 2, {0, 16, 32, 48}}
                      : StripScales{scale_zeros + (t * tile_rows + 16 * s) * 2, 2 * n, {0, 16, 2 * kStride, 2 * kStride + 16}};
     for (int64_t r = 0; r < rows; r += kAvx2MaxRows) {
-      const int8_t* xr = quads + r * groups * 256;
+      const int8_t* xr = xq + r * k;
       const float *xs = scales + 2 * r * groups, *sr = sums + r * groups;
       if (rows - r == 1)
         gemv_strip<1, kStride>(xr, xs, sr, k, n, tile_rows, packed, sz_at, t, s, y + r * n);
@@ -216,13 +214,13 @@ void strips(const int8_t* quads, const float* scales, const float* sums, int64_t
 // y [rows, n] = x [rows, k] @ W.T (bfloat16 row-major; x as ``round_rows`` gives it): the tiles' strips split
 // between ``threads``, each output computed by one thread in one order, the same for any block of rows.
 // ``strip_scales``: the scales and zeros in strip order, or null to read ``scale_zeros`` (torch's order).
-void int4_gemv_avx2(const int8_t* quads, const float* scales, const float* sums, int64_t rows, int64_t k,
+void int4_gemv_avx2(const int8_t* xq, const float* scales, const float* sums, int64_t rows, int64_t k,
                     const uint8_t* packed, const uint16_t* scale_zeros, const uint16_t* strip_scales, int64_t n,
                     int64_t tile_rows, uint16_t* y, int threads) {
   if (tile_rows == 32)
-    strips<16>(quads, scales, sums, rows, k, packed, scale_zeros, strip_scales, n, tile_rows, y, threads);
+    strips<16>(xq, scales, sums, rows, k, packed, scale_zeros, strip_scales, n, tile_rows, y, threads);
   else
-    strips<32>(quads, scales, sums, rows, k, packed, scale_zeros, strip_scales, n, tile_rows, y, threads);
+    strips<32>(xq, scales, sums, rows, k, packed, scale_zeros, strip_scales, n, tile_rows, y, threads);
 }
 #else
 bool int4_avx2_supported() { return false; }

@@ -141,7 +141,7 @@ def test_fused_layer_ops_track_the_float32_path_as_the_eager_ops_do(float32_runn
     saved_plan, saved_ops, saved_glue = model.linear.plan, model.compiled_ops, model.layer_glue
     try:  # the bfloat16 many-row path, whatever this machine's start-up measurement chose
         model.linear.plan = _dense_plan("dequantized bfloat16")
-        assert compile_layer_ops(model, COMPILE_MIN_ROWS).startswith("compiled")
+        assert compile_layer_ops(model, COMPILE_MIN_ROWS, bf16_native=True).startswith("compiled")
         compiled = score(int4_runner, ids, len(ids))
         model.compiled_ops = None
         glue = [score(int4_runner, ids, len(ids))] if saved_glue is not None else []
@@ -164,7 +164,7 @@ def test_no_step_compiles_after_start_up(int4_runner: ModelRunner, tokenizer: To
     try:
         if saved_ops is None:  # a CPU whose many-row steps stay float32: the bfloat16 path, compiled as start-up does
             model.linear.plan = _dense_plan("dequantized bfloat16")
-            assert compile_layer_ops(model, COMPILE_MIN_ROWS).startswith("compiled")
+            assert compile_layer_ops(model, COMPILE_MIN_ROWS, bf16_native=True).startswith("compiled")
         ids = tokenizer.encode(" ".join([TEXT] * 3))
         before = sum(counters["frames"].values())
         score(int4_runner, ids, len(ids))

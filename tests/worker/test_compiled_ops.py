@@ -17,7 +17,7 @@ from evenflow.core.engine_config import config_from_args
 from evenflow.worker.models.compiled_ops import (
     COMPILE_MIN_ROWS, CompiledOps, add_norm, compile_layer_ops, rotary_qk, swiglu,
 )
-from evenflow.worker.models.int4_linear import Int4Plan
+from evenflow.worker.models.int4_linear import EVERY_ROW, Int4Plan
 from evenflow.worker.models.linear import cpu_has_fast_path
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
@@ -135,12 +135,37 @@ def test_the_graphs_take_one_activation_dtype_above_the_int4_rows(checkpoint_roo
                          num_blocks=64, quantization="gguf")
     model = runner.model
     model.linear.plan = Int4Plan(COMPILE_MIN_ROWS, torch.float32, "test")  # int4 to 256 rows, float32 above
-    done = compile_layer_ops(model, COMPILE_MIN_ROWS)
+    done = compile_layer_ops(model, COMPILE_MIN_ROWS, bf16_native=True)
     assert done.startswith(f"eager ({COMPILE_MIN_ROWS + 1}-row steps compute in float32"), done
     before = sum(counters["frames"].values())
     prompt = [(7 * i) % 250 + 1 for i in range(COMPILE_MIN_ROWS + 44)]
     score(runner, prompt, len(prompt))
     assert sum(counters["frames"].values()) == before
+
+
+def test_an_int4_path_for_every_row_count_compiles_its_own_dtype(checkpoint_root: Path, tmp_path: Path) -> None:
+    """Where the int4 path takes every row count (evenflow's GEMV won past the largest probe), no dense path
+    runs: the graphs are the int4 path's (bfloat16) from the threshold, and a long step compiles nothing again."""
+    llama = make_checkpoint(checkpoint_root, seed=5)
+    runner = make_runner(write_gguf(llama, tmp_path / "llama-q4_1.gguf", gguf.GGMLQuantizationType.Q4_1),
+                         num_blocks=64, quantization="gguf")
+    model = runner.model
+    model.linear.plan = Int4Plan(EVERY_ROW, torch.float16, "test")  # no dense path ever: its dtype is moot
+    done = compile_layer_ops(model, COMPILE_MIN_ROWS, bf16_native=True)
+    assert done.startswith(f"compiled for steps of {COMPILE_MIN_ROWS}+ rows"), done
+    before = sum(counters["frames"].values())
+    prompt = [(7 * i) % 250 + 1 for i in range(COMPILE_MIN_ROWS + 44)]
+    score(runner, prompt, len(prompt))
+    assert sum(counters["frames"].values()) == before
+
+
+def test_without_native_bfloat16_the_glue_takes_the_steps_uncompiled(checkpoint_root: Path, tmp_path: Path) -> None:
+    llama = make_checkpoint(checkpoint_root, seed=5)
+    runner = make_runner(write_gguf(llama, tmp_path / "llama-q4_1.gguf", gguf.GGMLQuantizationType.Q4_1),
+                         num_blocks=64, quantization="gguf")
+    runner.model.linear.plan = Int4Plan(EVERY_ROW, torch.float16, "test")
+    assert compile_layer_ops(runner.model, COMPILE_MIN_ROWS, bf16_native=False).startswith("eager (no native")
+    assert runner.model.compiled_ops is None
 
 
 def test_a_qkv_bias_compiles_nothing_after_the_warm_up(checkpoint_root: Path, tmp_path: Path) -> None:
@@ -154,7 +179,7 @@ def test_a_qkv_bias_compiles_nothing_after_the_warm_up(checkpoint_root: Path, tm
     model = runner.model
     assert model._linears[0].qkv_bias is not None
     model.linear.plan = Int4Plan(4, torch.bfloat16, "test")  # many-row steps in bfloat16, whatever start-up chose
-    assert compile_layer_ops(model, COMPILE_MIN_ROWS).startswith("compiled")
+    assert compile_layer_ops(model, COMPILE_MIN_ROWS, bf16_native=True).startswith("compiled")
     before = sum(counters["frames"].values())
     prompt = [(7 * i) % 250 + 1 for i in range(COMPILE_MIN_ROWS + 44)]
     score(runner, prompt, len(prompt))

@@ -14,7 +14,7 @@ from evenflow.worker.cpp_kernels import load_cpp_sources
 from evenflow.worker.models.int4_gemv import (
     NO_GEMV, SOURCES, GemvRows, Int4Gemv, _bind, gemv_rows, load_int4_gemv, strip_order,
 )
-from evenflow.worker.models.int4_linear import _INT4_MM, Int4CpuLinear, Int4Plan, measure_int4_plan
+from evenflow.worker.models.int4_linear import _INT4_MM, EVERY_ROW, Int4CpuLinear, Int4Plan, measure_int4_plan
 from evenflow.worker.models.linear import TorchLinear
 from evenflow.worker.models.q4_blocks import GROUP, Int4Weight, Q4Rows, pack
 
@@ -161,7 +161,10 @@ def test_the_plan_gives_it_the_measured_rows_and_counts_its_time_there(gemv: Int
     plan = measure_int4_plan((960, 576), bf16_fast=True)
     first, last = plan.gemv_rows
     assert "GEMV" in plan.reason and last <= plan.max_int4_rows
-    assert (f"(evenflow's GEMV for {first}-{last})" in plan.reason) == (first <= last)
+    if plan.every_row:  # it won past the largest probe too: every row count from its first
+        assert f"int4 at every row count (evenflow's GEMV from {first} row" in plan.reason and last == EVERY_ROW
+    else:
+        assert (f"(evenflow's GEMV for {first}-{last})" in plan.reason) == (first <= last)
     without = Int4CpuLinear(TorchLinear(), Int4Plan(8, torch.bfloat16, "test"))
     assert without.kernel(1) == "int4"  # a plan that never measured it never takes it
 

@@ -173,7 +173,32 @@ def test_the_plan_keeps_a_dense_copy_only_where_it_fits() -> None:
     tight = measure_int4_plan((128, 256), bf16_fast=True, copy_params=10 * 128 * 256, available_bytes=1 << 20)
     assert not tight.dense_copy
     assert all(f"{kind} copy " not in tight.reason for kind in ("float32", "bfloat16", "float16"))  # none timed
-    assert tight.max_int4_rows == 0 or "would not fit" in tight.reason
+    assert tight.max_int4_rows == 0 or tight.every_row or "would not fit" in tight.reason
+
+
+@pytest.mark.parametrize("wins_beyond", [True, False])
+def test_a_gemv_winning_past_the_probes_takes_every_row_count(monkeypatch: pytest.MonkeyPatch, wins_beyond: bool) -> None:
+    """evenflow's GEMV that wins at every probe is timed once more at ``_CONFIRM_ROWS`` rows against the dense
+    path: winning there it takes every row count and no dense copy is kept; losing, the plan stops at the probes."""
+    from evenflow.worker.models import int4_linear
+
+    if int4_linear.load_int4_gemv() is None:
+        pytest.skip("no int4 GEMV on this CPU")
+
+    def timings(fns: list, trials: int = 5) -> list[float]:  # the GEMV is each probe's last, the check's first
+        if trials == 2:
+            return [0.1, 1.0] if wins_beyond else [1.0, 0.1]
+        return [1.0] * (len(fns) - 1) + [0.1]
+
+    monkeypatch.setattr(int4_linear, "time_min", timings)
+    plan = measure_int4_plan((128, 256), bf16_fast=False, copy_params=10 * 128 * 256, available_bytes=1 << 34)
+    assert f"{int4_linear._CONFIRM_ROWS} rows: GEMV" in plan.reason
+    assert plan.every_row == wins_beyond and plan.takes_int4(1 << 20) == wins_beyond
+    assert plan.gemv_rows.first == 1 and plan.gemv_rows.last == (int4_linear.EVERY_ROW if wins_beyond else 256)
+    if wins_beyond:
+        assert not plan.dense_copy and plan.reason.startswith("int4 at every row count")
+    else:
+        assert plan.max_int4_rows == 256
 
 
 def test_a_verdict_that_int4_never_wins_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:

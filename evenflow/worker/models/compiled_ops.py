@@ -26,6 +26,7 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from evenflow.worker.models.int4_linear import Int4CpuLinear
 from evenflow.worker.models.layers import apply_rotary, rms_norm_narrowing
+from evenflow.worker.models.linear import cpu_has_fast_path
 
 if TYPE_CHECKING:
     from evenflow.worker.models.llama import LlamaModel
@@ -127,19 +128,28 @@ def off_narrowing_path(model: LlamaModel) -> str | None:
     return None
 
 
-def compile_layer_ops(model: LlamaModel, min_rows: int, thread_counts: Iterable[int] = ()) -> str:
+def compile_layer_ops(model: LlamaModel, min_rows: int, thread_counts: Iterable[int] = (),
+                      bf16_native: bool | None = None) -> str:
     """Give ``model`` compiled elementwise groups for steps of ``min_rows`` rows or more (more than the int4
     plan's rows where those compute in another dtype) on any of ``thread_counts`` (default: the current
     count), where it runs the narrowing path: a float32 residual
     stream into bfloat16 projections (GGUF 4-bit weights on a CPU with native bfloat16). Returns what was
-    done, for the start-up log."""
+    done, for the start-up log. Graphs an earlier call gave are dropped first: they were for that call's plan.
+
+    Without native bfloat16 (``bf16_native``: the CPU's, by default) nothing is compiled: the C++ layer glue
+    takes those steps, and on a 2-core AVX2 EPYC the compiled groups were no faster than it at 256-2048 rows
+    (a 2048-token prefill of SmolLM2's GGUF 4.08-4.45 s against 4.19-4.56 s) while their compile added 1.5 s
+    to a start-up with a warm compile cache (docs/results/quantization.md)."""
+    model.compiled_ops = None
     off = off_narrowing_path(model)
     if off is not None:
         return f"eager ({off})"
+    if not (cpu_has_fast_path(torch.bfloat16) if bf16_native is None else bf16_native):
+        return "eager (no native bfloat16 here: the C++ layer glue takes the steps, without a compile)"
     linear, w = model.linear, model._linears[0]
     assert isinstance(linear, Int4CpuLinear)
     plan = linear.plan
-    if plan.act_dtype(min_rows) != plan.act_dtype(max(min_rows, plan.max_int4_rows + 1)):
+    if not plan.every_row and plan.act_dtype(min_rows) != plan.act_dtype(max(min_rows, plan.max_int4_rows + 1)):
         min_rows = plan.max_int4_rows + 1  # the graphs take one activation dtype: the dense path's, above int4's rows
     act = linear.act_dtype(w.qkv, min_rows)
     if act == torch.float32 or any(linear.act_dtype(p, min_rows) != act for p in (w.o, w.gate_up, w.down)):

@@ -49,6 +49,12 @@ log = logging.getLogger("evenflow.worker.int4")
 
 # Row counts the start-up measurement tries (decode batches up to chunked prefills).
 _PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Where evenflow's GEMV wins at the largest probe it is timed once more at this many rows against the dense
+# path: from a few rows both are bound by arithmetic, their costs linear in the rows, so a GEMV that still wins
+# here takes every row count (on a 2-core AVX2 EPYC: 0.85-0.91x FBGEMM's float16 copy at 256-2048 rows on
+# SmolLM2's shapes), and no dense copy is kept.
+_CONFIRM_ROWS = 1024
+EVERY_ROW = 1 << 30  # ``max_int4_rows`` of a plan whose int4 path takes every row count
 # The 4-bit weights are what lets a model fit: a dense copy for many-row steps must not be what makes
 # it not fit (the KV cache, sized after the weights, takes its share of what is left).
 DENSE_COPY_RAM_SHARE = 0.25
@@ -67,6 +73,11 @@ class Int4Plan:
     def takes_int4(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows runs on the int4 kernel (else on the dense path)."""
         return rows <= self.max_int4_rows
+
+    @property
+    def every_row(self) -> bool:
+        """Whether the int4 path takes every row count (no dense path runs)."""
+        return self.max_int4_rows >= EVERY_ROW
 
     def act_dtype(self, rows: int) -> torch.dtype:
         """The dtype a 4-bit weight's product computes in at ``rows`` rows: the int4 kernel's bfloat16, else
@@ -226,7 +237,9 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
     parameters fits in ``DENSE_COPY_RAM_SHARE`` of ``available_bytes`` (the RAM available now when
     None), read from that copy, timed from memory; the copy is kept where it beats dequantizing at
     every probe size int4 does not win. A float16 copy (FBGEMM, models/fp16_gemm.py) replaces
-    either where it fits and beats it at every probe size int4 does not win.
+    either where it fits and beats it at every probe size int4 does not win. Where evenflow's GEMV wins
+    at every probe from its first, it is timed against the chosen dense path at ``_CONFIRM_ROWS`` rows,
+    and takes every row count if it wins there too.
     """
     if not layout_matches():
         return Int4Plan(0, torch.float32, "this torch's int4 packing is not the layout evenflow reads")
@@ -295,6 +308,27 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
             else f"dequantized {name} above" + ("" if copy_fits or not copy_params else
                                                 f" (a {copy_bytes / 2**30:.2f} GiB copy would not fit)"))
     by_gemv = GemvRows(by_gemv.first, min(by_gemv.last, max_rows))
+    if gemv is not None and max_rows == last and by_gemv.last == last:
+        def dense_path(x: torch.Tensor) -> object:  # the dense path the plan chose, as a step runs it
+            if dense_dtype == torch.float16:
+                assert from_fp16 is not None
+                return from_fp16(x)
+            if use_copy:
+                assert from_copy is not None
+                return from_copy(x.to(dense_dtype))
+            return weight.dequantize(dense[dense_dtype]), F.linear(x.to(dense_dtype), dense[dense_dtype])
+
+        x = torch.randn(_CONFIRM_ROWS, k, generator=g)
+        xb = x.bfloat16()
+        with torch.inference_mode():
+            gemv_s, dense_run_s = time_min([lambda: gemv(xb, weight), lambda: dense_path(x)], trials=2)
+        beyond = f"; {_CONFIRM_ROWS} rows: GEMV {gemv_s * 1e3:.2f} / {name} {dense_run_s * 1e3:.2f} ms"
+        if gemv_s < dense_run_s:
+            plan_gemv = GemvRows(by_gemv.first, EVERY_ROW)
+            return Int4Plan(EVERY_ROW, dense_dtype, f"int4 at every row count (evenflow's GEMV from {by_gemv.first}"
+                            f" row{'s' if by_gemv.first > 1 else ''}), no dense copy, on {n}x{k} ({detail}{beyond})",
+                            False, plan_gemv)
+        detail += beyond
     up_to = f"int4 up to {max_rows} row{'s' if max_rows > 1 else ''}"
     gemv_part = f" (evenflow's GEMV for {by_gemv.first}-{by_gemv.last})" if by_gemv.last >= by_gemv.first else ""
     return Int4Plan(max_rows, dense_dtype, f"{up_to}{gemv_part}, {many}, on {n}x{k} ({detail})", use_copy, by_gemv)

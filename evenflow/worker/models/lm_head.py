@@ -106,6 +106,7 @@ class ScreenedHead:
         no 4-bit screen."""
         if self.int4 is None or cap < 1:
             return 0
+        cap = min(cap, _GEMV_PROBE_ROWS[-1] * 16)  # a plan with int4 at every row count gives no bound
         probes = sorted({cap, *(1 << i for i in range(cap.bit_length()) if 1 << i <= cap)})
         g = torch.Generator().manual_seed(0)
         best = 0

@@ -19,6 +19,7 @@ from evenflow.worker.models.compiled_ops import (
 )
 from evenflow.worker.models.int4_linear import EVERY_ROW, Int4Plan
 from evenflow.worker.models.linear import cpu_has_fast_path
+from evenflow.worker.runner import ModelRunner
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
 from tests.real.scoring import score
@@ -127,42 +128,39 @@ def test_enforce_eager_reaches_the_workers(tiny_llama: Path) -> None:
         assert worker_template(cfg, str(tiny_llama), 512).enforce_eager is expected
 
 
-def test_the_graphs_take_one_activation_dtype_above_the_int4_rows(checkpoint_root: Path, tmp_path: Path) -> None:
-    """Where the int4 kernel takes steps past the threshold (bfloat16) and a dense path computes longer ones in
-    another dtype, the graphs are for the dense path's rows alone: a longer step compiles nothing again."""
-    llama = make_checkpoint(checkpoint_root, seed=5)
-    runner = make_runner(write_gguf(llama, tmp_path / "llama-q4_1.gguf", gguf.GGMLQuantizationType.Q4_1),
-                         num_blocks=64, quantization="gguf")
-    model = runner.model
-    model.linear.plan = Int4Plan(COMPILE_MIN_ROWS, torch.float32, "test")  # int4 to 256 rows, float32 above
-    done = compile_layer_ops(model, COMPILE_MIN_ROWS, bf16_native=True)
-    assert done.startswith(f"eager ({COMPILE_MIN_ROWS + 1}-row steps compute in float32"), done
+def _q4_runner(checkpoint_root: Path, tmp_path: Path, **checkpoint: object) -> ModelRunner:
+    model = make_checkpoint(checkpoint_root, **checkpoint)
+    name = f"{checkpoint.get('model_type', 'llama')}-q4_1.gguf"
+    return make_runner(write_gguf(model, tmp_path / name, gguf.GGMLQuantizationType.Q4_1), num_blocks=64,
+                       quantization="gguf")
+
+
+def _assert_a_long_step_compiles_nothing(runner: ModelRunner) -> None:
     before = sum(counters["frames"].values())
     prompt = [(7 * i) % 250 + 1 for i in range(COMPILE_MIN_ROWS + 44)]
     score(runner, prompt, len(prompt))
     assert sum(counters["frames"].values()) == before
 
 
-def test_an_int4_path_for_every_row_count_compiles_its_own_dtype(checkpoint_root: Path, tmp_path: Path) -> None:
-    """Where the int4 path takes every row count (evenflow's GEMV won past the largest probe), no dense path
-    runs: the graphs are the int4 path's (bfloat16) from the threshold, and a long step compiles nothing again."""
-    llama = make_checkpoint(checkpoint_root, seed=5)
-    runner = make_runner(write_gguf(llama, tmp_path / "llama-q4_1.gguf", gguf.GGMLQuantizationType.Q4_1),
-                         num_blocks=64, quantization="gguf")
-    model = runner.model
-    model.linear.plan = Int4Plan(EVERY_ROW, torch.float16, "test")  # no dense path ever: its dtype is moot
-    done = compile_layer_ops(model, COMPILE_MIN_ROWS, bf16_native=True)
-    assert done.startswith(f"compiled for steps of {COMPILE_MIN_ROWS}+ rows"), done
-    before = sum(counters["frames"].values())
-    prompt = [(7 * i) % 250 + 1 for i in range(COMPILE_MIN_ROWS + 44)]
-    score(runner, prompt, len(prompt))
-    assert sum(counters["frames"].values()) == before
+@pytest.mark.parametrize(("plan", "done"), [
+    # int4 to 256 rows (bfloat16), a float32 dense path above: the graphs would be the dense path's alone
+    (Int4Plan(COMPILE_MIN_ROWS, torch.float32, "test"), f"eager ({COMPILE_MIN_ROWS + 1}-row steps compute in float32"),
+    # int4 at every row count (evenflow's GEMV won past the probes): no dense path runs, the graphs are bfloat16
+    (Int4Plan(EVERY_ROW, torch.float16, "test"), f"compiled for steps of {COMPILE_MIN_ROWS}+ rows"),
+])
+def test_the_graphs_take_the_dtype_of_the_rows_past_the_threshold(checkpoint_root: Path, tmp_path: Path,
+                                                                     plan: Int4Plan, done: str) -> None:
+    """The graphs take one activation dtype: that of the rows they serve, past the threshold and past the int4
+    plan's rows where those compute in another; a longer step then compiles nothing again."""
+    runner = _q4_runner(checkpoint_root, tmp_path, seed=5)
+    runner.model.linear.plan = plan
+    said = compile_layer_ops(runner.model, COMPILE_MIN_ROWS, bf16_native=True)
+    assert said.startswith(done), said
+    _assert_a_long_step_compiles_nothing(runner)
 
 
 def test_without_native_bfloat16_the_glue_takes_the_steps_uncompiled(checkpoint_root: Path, tmp_path: Path) -> None:
-    llama = make_checkpoint(checkpoint_root, seed=5)
-    runner = make_runner(write_gguf(llama, tmp_path / "llama-q4_1.gguf", gguf.GGMLQuantizationType.Q4_1),
-                         num_blocks=64, quantization="gguf")
+    runner = _q4_runner(checkpoint_root, tmp_path, seed=5)
     runner.model.linear.plan = Int4Plan(EVERY_ROW, torch.float16, "test")
     assert compile_layer_ops(runner.model, COMPILE_MIN_ROWS, bf16_native=False).startswith("eager (no native")
     assert runner.model.compiled_ops is None
@@ -173,14 +171,9 @@ def test_a_qkv_bias_compiles_nothing_after_the_warm_up(checkpoint_root: Path, tm
     that dtype, so a long step of such a model does not compile it again while requests wait."""
     if not cpu_has_fast_path(torch.bfloat16):
         pytest.skip("4-bit weights compute in float32 on this CPU: no narrowing path to compile")
-    qwen2 = make_checkpoint(checkpoint_root, model_type="qwen2", architectures=["Qwen2ForCausalLM"], seed=3)
-    runner = make_runner(write_gguf(qwen2, tmp_path / "qwen2-q4_1.gguf", gguf.GGMLQuantizationType.Q4_1),
-                         num_blocks=64, quantization="gguf")
+    runner = _q4_runner(checkpoint_root, tmp_path, model_type="qwen2", architectures=["Qwen2ForCausalLM"], seed=3)
     model = runner.model
     assert model._linears[0].qkv_bias is not None
     model.linear.plan = Int4Plan(4, torch.bfloat16, "test")  # many-row steps in bfloat16, whatever start-up chose
     assert compile_layer_ops(model, COMPILE_MIN_ROWS, bf16_native=True).startswith("compiled")
-    before = sum(counters["frames"].values())
-    prompt = [(7 * i) % 250 + 1 for i in range(COMPILE_MIN_ROWS + 44)]
-    score(runner, prompt, len(prompt))
-    assert sum(counters["frames"].values()) == before
+    _assert_a_long_step_compiles_nothing(runner)

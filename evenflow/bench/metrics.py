@@ -2,8 +2,9 @@
 
 Counters are read before and after a run and differenced; gauges are polled during the run: the
 KV-cache usage for its peak, the adaptive budget's target for the values it took (a derived target
-moves with the load, so the value at the end need not be the one the run's gaps were held to). Names are matched without their prefix, so one reader serves
-evenflow and vLLM; labelled series of one name are summed.
+moves with the load, so the value at the end need not be the one the run's gaps were held to).
+Names are matched without their prefix, so one reader serves evenflow and vLLM; labelled series of
+one name are summed.
 """
 
 from __future__ import annotations
@@ -163,8 +164,8 @@ def engine_numbers(
     before: MetricsSnapshot | None, after: MetricsSnapshot | None, kv_usage_peak: float | None,
     target_samples_s: list[float] | None = None,
 ) -> EngineNumbers:
-    """Counter differences over the run, and the derived rates. The target is judged by its samples
-    (polls at a fixed interval, so their median is the value in force for half the run's time)."""
+    """Counter differences over the run, and the derived rates. The target is summed up by its samples
+    (polls at a fixed interval: the target was above their median for about half the run, below for the rest)."""
 
     def delta(names: tuple[str, ...]) -> float | None:
         if before is None or after is None:

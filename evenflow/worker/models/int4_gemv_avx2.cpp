@@ -49,8 +49,8 @@ bool int4_avx2_supported() {
 }
 
 // x rounded to 8 bits, to nearest (even): ``xq`` [rows][k] in column order (gemv_strip spreads each four
-// columns into the pairs the weight's unpacked lanes hold); ``scales`` [rows][k / 32][2] each group's xs of its even and its
-// odd columns; ``sums`` [rows][k / 32] each group's sum(xs * xq), which the zeros multiply. A NaN in x makes
+// columns into the pairs the weight's unpacked lanes hold); ``scales`` [rows][k / 32][2] each group's xs of its
+// even and its odd columns; ``sums`` [rows][k / 32] each group's sum(xs * xq), which the zeros multiply. A NaN in x makes
 // its group's scales NaN.
 __attribute__((target(EVENFLOW_AVX2))) void round_rows(const uint16_t* x, int64_t rows, int64_t k, int8_t* xq,
                                                        float* scales, float* sums) {
@@ -131,9 +131,9 @@ __attribute__((target(EVENFLOW_AVX2))) inline __m256 odd_sums(__m256i acc) {
 
 // The 32 output rows of strip ``s`` of tile ``t`` (rows t*T + 16s + [0, 16) and t*T + T/2 + 16s + [0, 16)) for R
 // rows of x (``round_rows``'s). Each four columns of a row of xq are read as one 4-byte broadcast and spread
-// into (xq[4c], xq[4c + 2]) eight times, then (xq[4c + 1], xq[4c + 3]) eight times: x stays a byte a value,
-// which a step of hundreds of rows keeps in L2 (spread in memory, 8 bytes a value, it was not). Accumulator j holds eight rows: j = 0, 1 the low nibbles of bytes [0, 8) and
-// [8, 16), j = 2, 3 the high ones; per group, its integer sums are scaled into float32 totals.
+// into (xq[4c], xq[4c + 2]) eight times, then (xq[4c + 1], xq[4c + 3]) eight times, so x stays a byte a value
+// and a step of hundreds of rows keeps it in L2. Accumulator j holds eight rows: j = 0, 1 the low nibbles of
+// bytes [0, 8) and [8, 16), j = 2, 3 the high ones; per group, its integer sums are scaled into float32 totals.
 template <int R, int64_t kStride>
 __attribute__((target(EVENFLOW_AVX2))) void gemv_strip(const int8_t* xq, const float* scales, const float* sums,
                                                        int64_t k, int64_t n, int64_t tile_rows, const uint8_t* packed,

@@ -49,10 +49,11 @@ log = logging.getLogger("evenflow.worker.int4")
 
 # Row counts the start-up measurement tries (decode batches up to chunked prefills).
 _PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Where evenflow's GEMV wins at the largest probe it is timed once more at this many rows against the dense
-# path: from a few rows both are bound by arithmetic, their costs linear in the rows, so a GEMV that still wins
+# Where evenflow's GEMV wins the probes up to the last two it is timed once more at this many rows against the
+# dense path: from a few rows both are bound by arithmetic, their costs linear in the rows, so a GEMV that wins
 # here takes every row count (on a 2-core AVX2 EPYC: 0.85-0.91x FBGEMM's float16 copy at 256-2048 rows on
-# SmolLM2's shapes), and no dense copy is kept.
+# SmolLM2's shapes), and no dense copy is kept. The last probe alone is too close to call from memory there
+# (256 rows: 4.4-5.2 ms against 5.2-5.4), where 1024 rows are not (17.6-19.8 against 22.3-26.5).
 _CONFIRM_ROWS = 1024
 EVERY_ROW = 1 << 30  # ``max_int4_rows`` of a plan whose int4 path takes every row count
 # The 4-bit weights are what lets a model fit: a dense copy for many-row steps must not be what makes
@@ -238,8 +239,8 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
     None), read from that copy, timed from memory; the copy is kept where it beats dequantizing at
     every probe size int4 does not win. A float16 copy (FBGEMM, models/fp16_gemm.py) replaces
     either where it fits and beats it at every probe size int4 does not win. Where evenflow's GEMV wins
-    at every probe from its first, it is timed against the chosen dense path at ``_CONFIRM_ROWS`` rows,
-    and takes every row count if it wins there too.
+    every probe from its first to at least the last but one, it is timed against the chosen dense path at
+    ``_CONFIRM_ROWS`` rows, and takes every row count if it wins there.
     """
     if not layout_matches():
         return Int4Plan(0, torch.float32, "this torch's int4 packing is not the layout evenflow reads")
@@ -308,7 +309,7 @@ def measure_int4_plan(shape: tuple[int, int], bf16_fast: bool, copy_params: int 
             else f"dequantized {name} above" + ("" if copy_fits or not copy_params else
                                                 f" (a {copy_bytes / 2**30:.2f} GiB copy would not fit)"))
     by_gemv = GemvRows(by_gemv.first, min(by_gemv.last, max_rows))
-    if gemv is not None and max_rows == last and by_gemv.last == last:
+    if gemv is not None and by_gemv.last >= _PROBE_ROWS[-2]:
         def dense_path(x: torch.Tensor) -> object:  # the dense path the plan chose, as a step runs it
             if dense_dtype == torch.float16:
                 assert from_fp16 is not None

@@ -176,24 +176,30 @@ def test_the_plan_keeps_a_dense_copy_only_where_it_fits() -> None:
     assert tight.max_int4_rows == 0 or tight.every_row or "would not fit" in tight.reason
 
 
-@pytest.mark.parametrize("wins_beyond", [True, False])
-def test_a_gemv_winning_past_the_probes_takes_every_row_count(monkeypatch: pytest.MonkeyPatch, wins_beyond: bool) -> None:
-    """evenflow's GEMV that wins at every probe is timed once more at ``_CONFIRM_ROWS`` rows against the dense
-    path: winning there it takes every row count and no dense copy is kept; losing, the plan stops at the probes."""
+@pytest.mark.parametrize(("wins_beyond", "loses_last_probe"), [(True, False), (False, False), (True, True)])
+def test_a_gemv_winning_past_the_probes_takes_every_row_count(monkeypatch: pytest.MonkeyPatch, wins_beyond: bool,
+                                                              loses_last_probe: bool) -> None:
+    """evenflow's GEMV that wins the probes (the last one too, or up to the one before it: a near tie there) is
+    timed once more at ``_CONFIRM_ROWS`` rows against the dense path: winning there it takes every row count and
+    no dense copy is kept; losing, the plan stops at the probes."""
     from evenflow.worker.models import int4_linear
 
     if int4_linear.load_int4_gemv() is None:
         pytest.skip("no int4 GEMV on this CPU")
+    calls = []
 
     def timings(fns: list, trials: int = 5) -> list[float]:  # the GEMV is each probe's last, the check's first
+        calls.append(len(fns))
         if trials == 2:
             return [0.1, 1.0] if wins_beyond else [1.0, 0.1]
-        return [1.0] * (len(fns) - 1) + [0.1]
+        last_probe = len(calls) == 1 + len(int4_linear._PROBE_ROWS)  # after the dtype costs' call
+        return [1.0] * (len(fns) - 1) + [2.0 if loses_last_probe and last_probe else 0.1]
 
     monkeypatch.setattr(int4_linear, "time_min", timings)
     plan = measure_int4_plan((128, 256), bf16_fast=False, copy_params=10 * 128 * 256, available_bytes=1 << 34)
     assert f"{int4_linear._CONFIRM_ROWS} rows: GEMV" in plan.reason
     assert plan.every_row == wins_beyond and plan.takes_int4(1 << 20) == wins_beyond
+    assert calls[-1] == 2  # the check ran
     assert plan.gemv_rows.first == 1 and plan.gemv_rows.last == (int4_linear.EVERY_ROW if wins_beyond else 256)
     if wins_beyond:
         assert not plan.dense_copy and plan.reason.startswith("int4 at every row count")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from evenflow.core.sched.auto_target import (
-    AUTO_TARGET_DECODE_MULTIPLE, AUTO_TARGET_FLOOR_S, AUTO_TARGET_PREFILL_CAP, AUTO_TARGET_PREFILL_PIECES, AutoTarget,
+    AUTO_TARGET_DECODE_MULTIPLE, AUTO_TARGET_FLOOR_S, AUTO_TARGET_PREFILL_PIECES, AutoTarget,
     PromptStepEstimate,
 )
 from evenflow.core.sched.aim import AIM_MIN, AIM_START, AIM_WINDOW, GAPS_OVER_TARGET
@@ -65,10 +65,12 @@ def test_the_prompt_step_is_the_median_of_its_estimates_scaled_to_the_budget() -
     auto = AutoTarget()
     auto.observe_decode_step(0.030)
     assert auto.target_s == pytest.approx(AUTO_TARGET_DECODE_MULTIPLE * 0.030)
+    auto.prompt_step_guess_s = 3.0  # the fit's guess stands in only until the prompt step is measured
+    assert auto.target_s == pytest.approx(3.0 / AUTO_TARGET_PREFILL_PIECES)
     auto.prompt_step = estimate
     assert auto.target_s == pytest.approx(2.0 / AUTO_TARGET_PREFILL_PIECES)
-    auto.decode_step_s = 0.010  # the prompt term raises the decode term's target no more than the cap
-    assert auto.target_s == pytest.approx(AUTO_TARGET_PREFILL_CAP * AUTO_TARGET_DECODE_MULTIPLE * 0.010)
+    auto.decode_step_s = 0.001  # however cheap decoding is, the prompt step sets the target (no cap)
+    assert auto.target_s == pytest.approx(2.0 / AUTO_TARGET_PREFILL_PIECES)
 
 
 def test_a_costly_prompt_step_sets_the_derived_target() -> None:
@@ -91,6 +93,27 @@ def test_a_costly_prompt_step_sets_the_derived_target() -> None:
     target = scheduler.get_stats().budget.target_itl_s
     assert target > 1.5 * AUTO_TARGET_DECODE_MULTIPLE * float(np.median(decode_only))
     assert target == pytest.approx(prompt_step / AUTO_TARGET_PREFILL_PIECES, rel=0.2)
+
+
+def test_before_a_chunk_of_the_budget_ran_the_fit_guesses_the_prompt_step() -> None:
+    """Short prompts beside the streams teach the fit what prompt tokens cost; with no chunk of a
+    quarter of the budget measured yet, its price of the budget's chunk sets the target, so the first
+    long prompt climbs by layers instead of crawling in token chunks under 8 decode steps."""
+    machine = SyntheticMachine(fixed=12e-3, per_token=0.8e-3, num_layers=30)
+    scheduler = scheduler_with_streams(auto_target_itl=True, num_layers=30)
+    for i in range(300):
+        if i % 30 == 15:
+            add(scheduler, f"short-{i}", 128, max_tokens=1)
+        step(scheduler, machine.step_seconds)
+    auto = scheduler.budget_controller.auto  # type: ignore[union-attr]
+    assert auto.prompt_step.seconds == 0.0  # nothing of a quarter of the budget ran
+    streams = [c for c in scheduler.schedule().scheduled_cached_reqs if c.req_id.startswith("stream")]
+    decodes = {c.req_id: 1 for c in streams}
+    prompt_step = (machine.step_seconds(SchedulerOutput(0, [], streams, decodes | {streams[0].req_id: 2048}, 2055))
+                   - machine.step_seconds(SchedulerOutput(0, [], streams, decodes, NUM_STREAMS)))
+    assert auto.prompt_step_guess_s == pytest.approx(prompt_step, rel=0.25)
+    assert auto.target_s == pytest.approx(prompt_step / AUTO_TARGET_PREFILL_PIECES, rel=0.25)
+    assert auto.target_s > 1.5 * AUTO_TARGET_DECODE_MULTIPLE * auto.decode_step_s
 
 
 def test_without_a_target_the_controller_derives_one_from_the_decode_steps() -> None:

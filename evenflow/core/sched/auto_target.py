@@ -3,8 +3,7 @@
 With neither ``--max-num-batched-tokens`` nor ``--target-itl-ms`` given, the engine holds the streams'
 inter-token latency at
 
-    target = max(AUTO_TARGET_FLOOR_S, k x the decode-only step,
-                 min(the prompt step / AUTO_TARGET_PREFILL_PIECES, AUTO_TARGET_PREFILL_CAP x k x the decode-only step))
+    target = max(AUTO_TARGET_FLOOR_S, k x the decode-only step, the prompt step / AUTO_TARGET_PREFILL_PIECES)
 
 with k = AUTO_TARGET_DECODE_MULTIPLE.
 
@@ -24,9 +23,16 @@ with k = AUTO_TARGET_DECODE_MULTIPLE.
   prefill does not (with AMX tiles for few-row products a 6-stream decode step of the real GGUF took ~0.6x
   its time, the 2048-token prefill the same, and k = 8 started long prompts 1.82x later than the fixed
   budget at 0.12x its worst gap, set 73). Six pieces keep the worst gap near a sixth of the fixed budget's
-  (its bar is a quarter). At most ``AUTO_TARGET_PREFILL_CAP`` x the decode term: the first estimates come
-  from the first long prompt's steps, which ran cold (a layer 2-3x its later cost, set 74) and set the
-  target at twice its later value for that prompt, its worst gap the run's.
+  (its bar is a quarter). Not capped by the decode term: on a 2-core AVX2 EPYC the real GGUF's 2048-token
+  prefill is ~250 decode steps, and a cap of 16 decode steps (2x the decode term) held the target below two
+  layers of a long prompt beside the streams: it went in token chunks of ~30 tokens at 1.6x its unchunked
+  cost, and the streams' throughput with it (set 98, docs/results/steadiness.md). Where a long prompt's
+  first steps run cold (a layer 2-3x its later cost on a Xeon with AMX, set 74) the target is as much
+  higher until the window's median has the warm steps.
+* Until ``PROMPT_STEP_MIN_SAMPLES`` such steps ran, the prompt step is the step-time fit's price of the
+  budget's chunk (``prompt_step_guess_s``, set by the budget controller): a target of the decode term
+  alone cut the first long prompts into ~30-token chunks, which never measure a chunk of the budget's
+  size, and held for 70 s of a served run.
 * The floor is what a reader cannot tell apart: 50 ms a token is 20 tokens/s, faster than anyone
   reads a stream. A small model whose decode step is a few ms gets this floor, not 8x its step, and
   its prompts chunks several times larger than 8x would allow.
@@ -44,7 +50,6 @@ import numpy as np
 AUTO_TARGET_FLOOR_S = 0.050
 AUTO_TARGET_DECODE_MULTIPLE = 8.0
 AUTO_TARGET_PREFILL_PIECES = 6.0
-AUTO_TARGET_PREFILL_CAP = 2.0  # of the decode term: the most the prompt step may raise the target to
 DECODE_STEP_TRACKING = 0.005
 # Steps whose prompt work estimates the prompt step: a chunk of at least this share of the token budget
 # (its per-token cost is the budget's: shorter chunks run smaller GEMMs and attend to fewer keys).
@@ -76,12 +81,17 @@ class AutoTarget:
     def __init__(self) -> None:
         self.decode_step_s = 0.0  # 0: none measured yet
         self.prompt_step = PromptStepEstimate()
+        self.prompt_step_guess_s = 0.0  # the fit's price of the budget's chunk, while too few were measured
+
+    @property
+    def prompt_step_s(self) -> float:
+        """The prompt step measured, or the fit's guess until enough were (0.0: neither)."""
+        return self.prompt_step.seconds or self.prompt_step_guess_s
 
     @property
     def target_s(self) -> float:
-        decode_term = AUTO_TARGET_DECODE_MULTIPLE * self.decode_step_s
-        prompt_term = min(self.prompt_step.seconds / AUTO_TARGET_PREFILL_PIECES, AUTO_TARGET_PREFILL_CAP * decode_term)
-        return max(AUTO_TARGET_FLOOR_S, decode_term, prompt_term)
+        return max(AUTO_TARGET_FLOOR_S, AUTO_TARGET_DECODE_MULTIPLE * self.decode_step_s,
+                   self.prompt_step_s / AUTO_TARGET_PREFILL_PIECES)
 
     def observe_decode_step(self, seconds: float) -> None:
         """One measured step that carried decodes and no prompt chunk."""

@@ -51,7 +51,7 @@ from evenflow.core.sched.layer_group_sizing import MIN_OBSERVATIONS, TRUST_GROWT
 from evenflow.core.sched.layered_prefill import LayerPrice
 from evenflow.core.sched.prefill_gate import PrefillGate, RunningSurvey
 from evenflow.core.sched.step_time_model import (
-    MeasuredPromptCost, StepCosts, StepShape, StepTimeModel, shape_of_step,
+    MeasuredPromptCost, StepCosts, StepShape, StepTimeModel, chunk_pairs, shape_of_step,
 )
 
 PREFILL_FLOOR_TOKENS = 16
@@ -290,9 +290,10 @@ class BudgetController(LayerGroupSizing):
         # fit would give the decodes a share of a group's slow-down.
         if not planned.layers and not planned.beside:
             self.model.observe(planned.shape, seconds)
+            self._guess_prompt_step()
         if self._log.due():
             source = (f"auto: {self.auto.decode_step_s * 1e3:.1f} ms decode step, "
-                      f"{self.auto.prompt_step.seconds * 1e3:.0f} ms prompt step" if self.auto is not None
+                      f"{self.auto.prompt_step_s * 1e3:.0f} ms prompt step" if self.auto is not None
                       else "--target-itl-ms")
             self._log.write(self.stats, self.target_s, self.aim_s, source, self.max_tokens)
 
@@ -343,6 +344,17 @@ class BudgetController(LayerGroupSizing):
             return
         self.auto.prompt_step.observe(seconds - max(planned.decodes_alone_s, 0.0), planned.prefill_share,
                                       self.max_tokens)
+
+    def _guess_prompt_step(self) -> None:
+        """Until the derived target's prompt step is measured, the fit's price of a prompt chunk of the
+        whole budget alone (its tokens, their reads and pairs), once the fit is past its warm-up and
+        has seen prompt tokens beside decodes (before that it knows no price for them)."""
+        if (self.auto is None or self.auto.prompt_step.seconds or not self.largest_prefill_seen
+                or self.model.num_observations < AIM_WARM_UP):
+            return
+        cost, budget = self.model.fitted_costs(), self.max_tokens
+        self.auto.prompt_step_guess_s = max((cost.per_token + cost.per_read) * budget
+                                            + cost.per_pair * chunk_pairs(budget, 0), 0.0)
 
     def fill_stats(self, stats: SchedulerStats) -> SchedulerStats:
         """Write the adaptive budget's part of the scheduler's stats."""

@@ -54,14 +54,18 @@ def test_the_derived_target_is_the_floor_or_a_multiple_of_the_decode_step() -> N
     assert auto.target_s == pytest.approx(AUTO_TARGET_DECODE_MULTIPLE * 0.040, rel=0.1)
 
 
-def test_the_prompt_step_is_the_median_of_its_estimates_scaled_to_the_budget() -> None:
+def test_the_prompt_step_is_the_lower_quartile_of_its_estimates_scaled_to_the_budget() -> None:
     estimate = PromptStepEstimate()
     for prompt_s in (0.5, 0.5, 0.5):
         estimate.observe(prompt_s, work_tokens=512, budget_tokens=2048)
     assert estimate.seconds == 0.0  # too few to say
-    estimate.observe(9.0, work_tokens=512, budget_tokens=2048)  # one slow step does not move the median far
+    estimate.observe(9.0, work_tokens=512, budget_tokens=2048)  # one slow step does not move it far
     estimate.observe(0.25, work_tokens=256, budget_tokens=2048)
     assert estimate.seconds == pytest.approx(2.0)
+    slowed = PromptStepEstimate()  # a prompt beside a neighbour's work: half the window at 1.5x
+    for prompt_s in [0.5] * 8 + [0.75] * 8:
+        slowed.observe(prompt_s, work_tokens=512, budget_tokens=2048)
+    assert slowed.seconds == pytest.approx(2.0)
     auto = AutoTarget()
     auto.observe_decode_step(0.030)
     assert auto.target_s == pytest.approx(AUTO_TARGET_DECODE_MULTIPLE * 0.030)

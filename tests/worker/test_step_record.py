@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from evenflow.bench.step_account import account, format_account, kind_of
 from evenflow.bench.step_replay import compare, format_comparison, replay
 from evenflow.protocol import CachedRequestData, InitKVCache, NewRequestData, SchedulerOutput, WorkerShutdown
 from evenflow.worker.step_record import RECORD_ENV, StepClock, StepRecorder, StepTiming, read_frames, read_steps
@@ -111,3 +112,18 @@ def test_no_recording_unless_asked_nor_of_a_tensor_parallel_rank(tiny_llama: Pat
     monkeypatch.setenv(RECORD_ENV, str(tmp_path / "tp"))
     assert StepRecorder.from_env(msgspec.structs.replace(runner.config, world_size=2)) is None
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_recording_is_accounted_by_what_its_steps_carried(tiny_llama: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    prefix = tmp_path / "run"
+    record(tiny_llama, prefix, monkeypatch)
+    rows = {r.kind: r for r in account(prefix, long_tokens=len(PROMPTS["a"]))}  # b's 9-token prompt is the long one
+    assert {k: (r.steps, r.decode_tokens, r.prompt_tokens) for k, r in rows.items()} == {
+        "long chunk + 1 short": (1, 0, 11), "long chunk": (1, 1, 4), "decode only": (1, 2, 0)}
+    served = {t.step_id: t.wall_s for t in read_steps(prefix)}
+    assert rows["decode only"].seconds == served[2]
+    assert "| all | 3 |" in format_account(list(rows.values()))
+    # A layer group of the long prompt, and three short prompts beside it.
+    group = SchedulerOutput(3, [], [], {"b": 9, "c": 4, "d": 4, "e": 4, "a": 1}, 21, layer_spans={"b": (0, 1)})
+    assert kind_of(group, {"b": 9, "c": 4, "d": 4, "e": 4}, long_tokens=6) == "long layers + 3+ short"

@@ -25,10 +25,10 @@ with k = AUTO_TARGET_DECODE_MULTIPLE.
   budget at 0.12x its worst gap, set 73). Six pieces keep the worst gap near a sixth of the fixed budget's
   (its bar is a quarter). Not capped by the decode term: on a 2-core AVX2 EPYC the real GGUF's 2048-token
   prefill is ~250 decode steps, and a cap of 16 decode steps (2x the decode term) held the target below two
-  layers of a long prompt beside the streams: it went in token chunks of ~30 tokens at 1.6x its unchunked
+  layers of a long prompt beside the streams: it went in token chunks of ~30 tokens at 1.3x its unchunked
   cost, and the streams' throughput with it (set 98, docs/results/steadiness.md). Where a long prompt's
   first steps run cold (a layer 2-3x its later cost on a Xeon with AMX, set 74) the target is as much
-  higher until the window's median has the warm steps.
+  higher until the window's lower quartile has the warm steps.
 * Until ``PROMPT_STEP_MIN_SAMPLES`` such steps ran, the prompt step is the step-time fit's price of the
   budget's chunk (``prompt_step_guess_s``, set by the budget controller): a target of the decode term
   alone cut the first long prompts into ~30-token chunks, which never measure a chunk of the budget's
@@ -54,25 +54,29 @@ DECODE_STEP_TRACKING = 0.005
 # Steps whose prompt work estimates the prompt step: a chunk of at least this share of the token budget
 # (its per-token cost is the budget's: shorter chunks run smaller GEMMs and attend to fewer keys).
 PROMPT_STEP_MIN_SHARE = 0.25
-PROMPT_STEP_WINDOW = 16  # estimates whose median is the prompt step: a group's noise is not the target's
+PROMPT_STEP_WINDOW = 16  # estimates whose lower quartile is the prompt step: a group's noise is not the target's
+# The quartile, not the median: a slow prompt step is a neighbour's more often than the machine's, and one long
+# prompt is ~10 of the window's estimates (a served run's prompt that ran beside another process's work at 1.4x
+# its layers' cost raised the target from ~800 to 1,500 ms for the next 60 s, set 101).
+PROMPT_STEP_QUANTILE = 0.25
 PROMPT_STEP_MIN_SAMPLES = 4
 
 
 class PromptStepEstimate:
-    """The time of a prompt chunk of the whole token budget, alone: the median over the last
+    """The time of a prompt chunk of the whole token budget, alone: the lower quartile over the last
     ``PROMPT_STEP_WINDOW`` prompt steps of their prompt work scaled to the budget."""
 
     def __init__(self) -> None:
         self._estimates = np.zeros(PROMPT_STEP_WINDOW)
         self._count = 0
-        self.seconds = 0.0  # the median, taken when an estimate comes in (read every step); 0.0 until enough
+        self.seconds = 0.0  # the quartile, taken when an estimate comes in (read every step); 0.0 until enough
 
     def observe(self, prompt_s: float, work_tokens: float, budget_tokens: int) -> None:
         """A step whose prompt work (``work_tokens``: tokens through every layer) took ``prompt_s``."""
         self._estimates[self._count % PROMPT_STEP_WINDOW] = max(prompt_s, 0.0) * budget_tokens / work_tokens
         self._count += 1
         if self._count >= PROMPT_STEP_MIN_SAMPLES:
-            self.seconds = float(np.median(self._estimates[:min(self._count, PROMPT_STEP_WINDOW)]))
+            self.seconds = float(np.quantile(self._estimates[:min(self._count, PROMPT_STEP_WINDOW)], PROMPT_STEP_QUANTILE))
 
 
 class AutoTarget:

@@ -1,9 +1,12 @@
 """A worker's recorded steps replay into a runner alone: the same steps, the same tokens, and a
-comparison of their times by kind of step; a recording cut short replays up to its cut."""
+comparison of their times by kind of step; a recording cut short replays up to its cut; a recording's time
+accounted by what its steps carried (scripts/account_steps.py)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -124,6 +127,10 @@ def test_a_recording_is_accounted_by_what_its_steps_carried(tiny_llama: Path, tm
     served = {t.step_id: t.wall_s for t in read_steps(prefix)}
     assert rows["decode only"].seconds == served[2]
     assert "| all | 3 |" in format_account(list(rows.values()))
+    script = Path(__file__).parents[2] / "scripts" / "account_steps.py"
+    printed = subprocess.run([sys.executable, str(script), str(prefix), "--long-tokens", "6"], capture_output=True,
+                             text=True, timeout=120, check=True).stdout
+    assert "| long chunk + 1 short | 1 |" in printed and "| all | 3 |" in printed
     # A layer group of the long prompt, and three short prompts beside it.
     group = SchedulerOutput(3, [], [], {"b": 9, "c": 4, "d": 4, "e": 4, "a": 1}, 21, layer_spans={"b": (0, 1)})
     assert kind_of(group, {"b": 9, "c": 4, "d": 4, "e": 4}, long_tokens=6) == "long layers + 3+ short"

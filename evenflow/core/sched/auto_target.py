@@ -56,8 +56,8 @@ DECODE_STEP_TRACKING = 0.005
 PROMPT_STEP_MIN_SHARE = 0.25
 PROMPT_STEP_WINDOW = 16  # estimates whose lower quartile is the prompt step: a group's noise is not the target's
 # The quartile, not the median: a slow prompt step is a neighbour's more often than the machine's, and one long
-# prompt is ~10 of the window's estimates (a served run's prompt that ran beside another process's work at 1.4x
-# its layers' cost raised the target from ~800 to 1,500 ms for the next 60 s, set 101).
+# prompt is ~10 of the window's estimates (a served run's first prompts, in a slow phase of the host at ~2x their
+# layers' later cost, raised the target from ~800 to 1,500 ms for the next 60 s, set 101).
 PROMPT_STEP_QUANTILE = 0.25
 PROMPT_STEP_MIN_SAMPLES = 4
 
@@ -76,7 +76,8 @@ class PromptStepEstimate:
         self._estimates[self._count % PROMPT_STEP_WINDOW] = max(prompt_s, 0.0) * budget_tokens / work_tokens
         self._count += 1
         if self._count >= PROMPT_STEP_MIN_SAMPLES:
-            self.seconds = float(np.quantile(self._estimates[:min(self._count, PROMPT_STEP_WINDOW)], PROMPT_STEP_QUANTILE))
+            window = self._estimates[:min(self._count, PROMPT_STEP_WINDOW)]
+            self.seconds = float(np.quantile(window, PROMPT_STEP_QUANTILE))
 
 
 class AutoTarget:

@@ -34,7 +34,7 @@ from evenflow.bench.plot import CurvePoint, plot_budget_curves
 from evenflow.bench.runner import RunOptions
 from evenflow.bench.server import ManagedServer, exit_on_sigterm
 from evenflow.bench.stats import RunStats, format_table
-from evenflow.bench.verdict import Result, verdict_lines
+from evenflow.bench.verdict import Result, judged_target_ms, verdict_lines
 from evenflow.bench.workload import add_workload_args, workload_from_args
 from evenflow.bench.serving import (
     DEFAULT_VOCAB_SIZE,
@@ -62,7 +62,7 @@ class SweepPoint:
 
 
 def measure_budget(args: argparse.Namespace, budget: int | None, vocab: int,
-                   target_itl_ms: float | None = None, default: bool = False) -> SweepPoint:
+                   target_itl_ms: str | None = None, default: bool = False) -> SweepPoint:
     """Start the server for ``budget`` (or ``target_itl_ms``, or no budget flag at all: ``default``), run
     the workload (and the capacity search), stop it."""
     cfg = dataclasses.replace(server_config(args, budget), target_itl_ms=target_itl_ms, default_budget=default)
@@ -119,16 +119,14 @@ def curve_point(p: SweepPoint, ttft_group: str, itl_group: str) -> CurvePoint | 
 
 
 def verdict_results(points: list[SweepPoint], ttft_group: str, itl_group: str) -> list[Result]:
-    """The runs as ``_bench_verdict`` judges them (the adaptive bar: scripts/_bench_verdict.py)."""
+    """The runs as the adaptive bar judges them (evenflow/bench/verdict.py)."""
     out = []
     for p in points:
         if p.stats is None:
             continue
         g = p.stats.groups
         t, i = g.get(ttft_group, g["all"]), g.get(itl_group, g["all"])
-        target = float(p.label.split()[1]) if p.label.startswith("target") else None
-        if p.label == "default" and p.engine is not None and p.engine.target_itl_ms:
-            target = p.engine.target_itl_ms  # the target the engine derived
+        target = judged_target_ms(p.label, p.engine.target_itl_ms if p.engine is not None else None)
         out.append(Result(p.label, target, t.ttft.p50, i.itl.p99, i.itl.p999, g["all"].total_throughput))
     return out
 
@@ -160,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     add_workload_args(parser)
     g = parser.add_argument_group("sweep")
     g.add_argument("--budgets", default="64,128,256,512,1024,2048,4096,8192,unchunked")
-    g.add_argument("--targets", default="", help="comma list of --target-itl-ms values: adaptive runs (evenflow)")
+    g.add_argument("--targets", default="",
+                   help="comma list of --target-itl-ms values (ms, or auto: the target the engine derives): adaptive runs (evenflow)")
     g.add_argument("--default", action="store_true",
                    help="also run the engine with no budget flag (evenflow: the target it derives), marked on the figure")
     g.add_argument("--reverse", action="store_true", help="run in reverse order (alternate rounds with it)")
@@ -181,8 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     ttft_group = "long" if args.workload == "interference" else "all"
     itl_group = "steady" if args.workload == "interference" else "all"
 
-    runs: list[tuple[int | None, float | None, bool]] = [(b, None, False) for b in parse_budgets(args.budgets)]
-    runs += [(None, float(t), False) for t in args.targets.split(",") if t.strip()]
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    for t in targets:
+        if t != "auto" and not t.replace(".", "", 1).isdigit():
+            parser.error(f"--targets: {t!r} is neither milliseconds nor auto")
+    runs: list[tuple[int | None, str | None, bool]] = [(b, None, False) for b in parse_budgets(args.budgets)]
+    runs += [(None, t, False) for t in targets]
     runs += [(None, None, True)] if args.default else []
     points = [measure_budget(args, budget, vocab, target, default)
               for budget, target, default in runs[:: -1 if args.reverse else 1]]

@@ -59,15 +59,19 @@ class ServerConfig:
     dtype: str = "bfloat16"
     max_num_seqs: int | None = None
     extra_args: list[str] = field(default_factory=list)
-    target_itl_ms: float | None = None  # evenflow's adaptive budget; ``budget`` is then its upper bound
+    # evenflow's adaptive budget, ``--target-itl-ms`` as given (milliseconds, or "auto": the target the engine
+    # derives); ``budget`` is then its upper bound
+    target_itl_ms: str | None = None
     default_budget: bool = False  # no budget flag at all: the engine's default (evenflow: the fixed 2048 budget)
 
     @property
     def label(self) -> str:
         if self.default_budget:
             return "default"
+        if self.target_itl_ms == "auto":
+            return "target auto"
         if self.target_itl_ms is not None:
-            return f"target {self.target_itl_ms:g} ms"
+            return f"target {float(self.target_itl_ms):g} ms"
         return "unchunked" if self.budget is None else str(self.budget)
 
     @property
@@ -122,7 +126,7 @@ def evenflow_argv(cfg: ServerConfig, port: int) -> list[str]:
     # of every step); cap the batch at the budget for small budgets.
     argv += ["--max-num-seqs", str(min(cfg.max_num_seqs or 256, cfg.effective_budget))]
     if cfg.target_itl_ms is not None:
-        argv += ["--target-itl-ms", str(cfg.target_itl_ms)]
+        argv += ["--target-itl-ms", cfg.target_itl_ms]
     return argv + cfg.extra_args
 
 

@@ -7,7 +7,7 @@ hits fewer than 1% of the gaps, so on a workload where long prompts are rare an 
 p99.9 190 ms). Among the fixed budgets that meet T, the best is the one with the lowest TTFT p50
 (then the highest throughput); the adaptive run is compared with it.
 
-    python scripts/_bench_verdict.py RUN_DIR/sweep.json [...]   # a verdict per target per file
+    python -m evenflow.bench.verdict RUN_DIR/sweep.json [...]   # a verdict per target per file
 ``sweep_budget.py --targets`` prints the same lines after its table.
 """
 
@@ -41,7 +41,8 @@ def verdict_lines(results: list[Result]) -> list[str]:
         assert t is not None
         meeting = sorted((r for r in results if r.target_ms is None and r.meets(t)), key=lambda r: (r.ttft_p50, -r.tok_s))
         held = "held" if run.meets(t) else "missed"
-        name = f"target {t:g} ms" if run.label.startswith("target") else f"{run.label} (target {t:.1f} ms)"
+        derived = run.label in ("default", "target auto")
+        name = f"{run.label} (target {t:.1f} ms)" if derived else run.label
         head = (f"{name}: {held} (p99 {run.itl_p99:.1f}, {run.itl_p99 / t:.2f}x the target; "
                 f"p99.9 {run.itl_p999:.1f})")
         if not meeting:
@@ -53,6 +54,15 @@ def verdict_lines(results: list[Result]) -> list[str]:
         lines.append(f"{head}; {won} the best fixed budget meeting it, {best.label} "
                      f"(of {', '.join(r.label for r in meeting)}): TTFT p50 {ttft:.2f}x, throughput {tput:.2f}x")
     return lines
+
+
+def judged_target_ms(label: str, derived_ms: float | None) -> float | None:
+    """The target a run is judged against: the one its label names (``target 15 ms``), or for a target the
+    engine derived (``target auto``, or ``default`` where the default derives one) the median of the
+    run's samples of it; None for a fixed budget."""
+    if label == "target auto" or (label == "default" and derived_ms):
+        return derived_ms or None
+    return float(label.split()[1]) if label.startswith("target") else None
 
 
 def results_from_json(path: str) -> list[Result]:
@@ -68,7 +78,7 @@ def results_from_json(path: str) -> list[Result]:
         t = groups["long" if interference else "all"]["ttft"]
         i = groups["steady" if interference else "all"]["itl"]
         label = p["label"]
-        target = float(label.split()[1]) if label.startswith("target") else None
+        target = judged_target_ms(label, (p.get("engine") or {}).get("target_itl_ms"))
         out.append(Result(label, target, t["p50"], i["p99"], i["p999"], groups["all"]["total_throughput"]))
     return out
 

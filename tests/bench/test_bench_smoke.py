@@ -218,7 +218,7 @@ def test_sweep_budget_with_capacity(fake_model_dir: Path, tmp_path: Path) -> Non
     out_dir = tmp_path / "sweep"
     proc = run_script("sweep_budget.py", [
         "--model-dir", str(fake_model_dir), "--server-cmd", fake_server_cmd(), "--budgets", "128,unchunked",
-        "--duration", "1.0", "--steady-streams", "2", "--steady-output-len", "16", "--long-prompt-len", "800",
+        "--targets", "auto", "--duration", "1.0", "--steady-streams", "2", "--steady-output-len", "16", "--long-prompt-len", "800",
         "--long-interval", "0.5", "--long-first", "0.2", "--capacity", "--slo-itl-ms", "1000",
         "--capacity-duration", "0.5", "--capacity-rate-start", "4", "--capacity-max-rate", "8",
         "--capacity-iters", "1", "--prompt-len-median", "32", "--output-len-median", "4", "--no-progress",
@@ -229,7 +229,7 @@ def test_sweep_budget_with_capacity(fake_model_dir: Path, tmp_path: Path) -> Non
     for label in ("128", "unchunked"):  # each run's records, kept when asked
         records = json.loads((out_dir / f"requests_{label}.json").read_text())["records"]
         assert {r["kind"] for r in records} == {"steady", "long"}
-    assert [p["label"] for p in points] == ["128", "unchunked"] and points[1]["budget"] == 2048
+    assert [p["label"] for p in points] == ["128", "unchunked", "target auto"] and points[1]["budget"] == 2048
     assert all(p["capacity"]["rate"] == 8 for p in points)  # the fake server meets a 1 s SLO at 8 req/s
     assert (out_dir / "sweep.png").stat().st_size > 10_000
     assert "unchunked" in (out_dir / "sweep.txt").read_text()
@@ -279,6 +279,9 @@ def test_server_commands_match_across_engines(tmp_path: Path) -> None:
     small = ServerConfig(model_dir=tmp_path, budget=64, max_model_len=2048)
     assert flag(evenflow_argv(small, 8000), "--max-num-seqs") == "64"
     assert flag(vllm_argv(small, 8000, tmp_path), "--max-num-seqs") == "64"
+    derived = ServerConfig(model_dir=tmp_path, budget=2048, max_model_len=2048, target_itl_ms="auto")
+    assert derived.label == "target auto" and flag(evenflow_argv(derived, 8000), "--target-itl-ms") == "auto"
+    assert ServerConfig(model_dir=tmp_path, budget=2048, max_model_len=2048, target_itl_ms="100").label == "target 100 ms"
 
 
 def test_bench_cpu_kernels_quick() -> None:

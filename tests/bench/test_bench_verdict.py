@@ -1,8 +1,11 @@
-"""The adaptive budget's bar as scripts/_bench_verdict.py applies it (no server)."""
+"""The adaptive budget's bar as evenflow/bench/verdict.py applies it (no server)."""
 
 from __future__ import annotations
 
-from evenflow.bench.verdict import Result, verdict_lines
+import json
+from pathlib import Path
+
+from evenflow.bench.verdict import Result, judged_target_ms, results_from_json, verdict_lines
 
 
 def fixed(label: str, ttft: float, p99: float, p999: float, tok_s: float) -> Result:
@@ -29,3 +32,29 @@ def test_a_run_that_matches_or_betters_both_measures_beats_it_and_none_meeting_s
     beat, none = verdict_lines(results)
     assert "beats the best fixed budget meeting it, 64" in beat and "does not" not in beat
     assert none == "target 5 ms: missed (p99 9.0, 1.80x the target; p99.9 12.0); no fixed budget meets it"
+
+
+def test_a_derived_target_is_judged_by_its_run_median_whatever_the_run_is_called() -> None:
+    assert judged_target_ms("target auto", 68.7) == 68.7
+    assert judged_target_ms("default", 68.7) == 68.7
+    assert judged_target_ms("default", 0.0) is None  # the fixed default: a budget, not a target
+    assert judged_target_ms("target 15 ms", None) == 15.0
+    assert judged_target_ms("2048", None) is None
+    results = [fixed("128", 300, 60.0, 90.0, 2000), fixed("default", 250, 20.0, 380.0, 2100),
+               Result("target auto", judged_target_ms("target auto", 68.7), 400, 65.3, 84.1, 2050)]
+    (line,) = verdict_lines(results)
+    assert line.startswith("target auto (target 68.7 ms): held (p99 65.3, 0.95x the target")
+    assert "best fixed budget meeting it, 128 (of 128)" in line  # the default's 380 ms stall is over 2x
+
+
+def test_sweep_json_runs_carry_their_derived_targets(tmp_path: Path) -> None:
+    def point(label: str, target_ms: float | None, p99: float) -> dict[str, object]:
+        stats = {"ttft": {"p50": 300.0}, "itl": {"p99": p99, "p999": p99 * 1.2}}
+        groups = {"long": stats, "steady": stats, "all": {"total_throughput": 2000.0}}
+        return {"label": label, "stats": {"groups": groups}, "engine": {"target_itl_ms": target_ms}}
+
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"config": {"workload": "interference"},
+                                "points": [point("128", None, 60.0), point("target auto", 70.0, 66.0)]}))
+    fixed_run, auto = results_from_json(str(path))
+    assert fixed_run.target_ms is None and auto.target_ms == 70.0

@@ -3,15 +3,16 @@
 
 Draws the four curves of the budget (TTFT p50/p99, ITL p99/max, throughput, tokens per step and
 model-busy fraction) as one PNG and prints a table; ``--targets`` adds evenflow's adaptive budget
-(``--target-itl-ms``, the budget then an upper bound of max_model_len), one run per target, drawn
-as stars on the same figure; ``--capacity`` adds, per budget, the highest
+(``--target-itl-ms``, the budget then an upper bound of max_model_len; ``auto``: the target the engine
+derives, under its default ceiling, as a user gets it), one run per target, drawn as stars on the same
+figure; ``--capacity`` adds, per budget, the highest
 Poisson rate that keeps P99 ITL and P99 TTFT under ``--slo-itl-ms`` / ``--slo-ttft-ms``. The script
 starts and stops each server itself on a free 127.0.0.1 port, one at a time.
 
     python scripts/sweep_budget.py --model-dir /tmp/small --budgets 64,128,256,512,1024,2048,unchunked \\
         --workload interference --duration 40 --out-dir bench_results/sweep
 
-    python scripts/sweep_budget.py --model-dir /tmp/small --budgets 32,64,unchunked --targets 150 \\
+    python scripts/sweep_budget.py --model-dir /tmp/small --budgets 32,64,unchunked --targets 150,auto \\
         --workload interference --duration 40 --out-dir bench_results/sweep_adaptive
 
     python scripts/sweep_budget.py --model-dir /tmp/small --budgets 256,unchunked --capacity \\

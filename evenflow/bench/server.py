@@ -119,6 +119,10 @@ def evenflow_argv(cfg: ServerConfig, port: int) -> list[str]:
         argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
     if cfg.default_budget:
         return argv + cfg.extra_args
+    if cfg.target_itl_ms == "auto" and cfg.budget is None:
+        # As a user runs it: the engine's default ceiling (the prompt step it derives the target from is a
+        # chunk of the ceiling: at max_model_len 4096 the target came out twice the default's).
+        return argv + ["--target-itl-ms", "auto"] + cfg.extra_args
     argv += ["--max-num-batched-tokens", str(cfg.effective_budget)]
     threshold = 0 if cfg.budget is None else cfg.long_prefill_threshold
     argv += ["--long-prefill-token-threshold", str(threshold)]

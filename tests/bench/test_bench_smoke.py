@@ -279,8 +279,9 @@ def test_server_commands_match_across_engines(tmp_path: Path) -> None:
     small = ServerConfig(model_dir=tmp_path, budget=64, max_model_len=2048)
     assert flag(evenflow_argv(small, 8000), "--max-num-seqs") == "64"
     assert flag(vllm_argv(small, 8000, tmp_path), "--max-num-seqs") == "64"
-    derived = ServerConfig(model_dir=tmp_path, budget=2048, max_model_len=2048, target_itl_ms="auto")
+    derived = ServerConfig(model_dir=tmp_path, budget=None, max_model_len=4096, target_itl_ms="auto")
     assert derived.label == "target auto" and flag(evenflow_argv(derived, 8000), "--target-itl-ms") == "auto"
+    assert "--max-num-batched-tokens" not in evenflow_argv(derived, 8000)  # the engine's default ceiling
     assert ServerConfig(model_dir=tmp_path, budget=2048, max_model_len=2048, target_itl_ms="100").label == "target 100 ms"
 
 

@@ -27,10 +27,29 @@ class KindTotal:
     prompt_tokens: int = 0
 
 
+def prompt_tokens(so: SchedulerOutput, prompt_lens: dict[str, int]) -> dict[str, int]:
+    """The prompt tokens each request of the step prefills (0: it decodes), by the tokens computed before the
+    step that its scheduling carried: a prompt's last single token is prompt work, a decode with drafts is
+    not. A layer group counts all its chunk's tokens; a request whose computed tokens the step did not carry
+    counts as a prompt when it was scheduled more than one token."""
+    computed = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+    computed.update((cached.req_id, cached.num_computed_tokens) for cached in so.scheduled_cached_reqs)
+    out = {}
+    for r, n in so.num_scheduled_tokens.items():
+        done = computed.get(r)
+        if r in so.layer_spans:
+            out[r] = n
+        elif done is None or r not in prompt_lens:
+            out[r] = n if n > 1 else 0
+        else:
+            out[r] = max(0, min(n, prompt_lens[r] - done))
+    return out
+
+
 def kind_of(so: SchedulerOutput, prompt_lens: dict[str, int], long_tokens: int) -> str:
     """``decode only``, or the long prompt's part (``long chunk``, ``long layers``) and the short
     prompts beside it (``+ 1 short`` ... ``+ 3+ short``)."""
-    prompts = [r for r, n in so.num_scheduled_tokens.items() if n > 1 or r in so.layer_spans]
+    prompts = [r for r, n in prompt_tokens(so, prompt_lens).items() if n > 0]
     long_ = [r for r in prompts if prompt_lens.get(r, 0) > long_tokens]
     short = len(prompts) - len(long_)
     parts = []
@@ -51,10 +70,10 @@ def account(prefix: Path, long_tokens: int) -> list[KindTotal]:
         if not isinstance(so, SchedulerOutput):
             continue
         prompt_lens.update((new.req_id, len(new.prompt_token_ids)) for new in so.scheduled_new_reqs)
-        scheduled = so.num_scheduled_tokens.items()
-        decodes = sum(1 for r, n in scheduled if n == 1 and r not in so.layer_spans)
-        prompt = sum(n for r, n in scheduled if n > 1 and r not in so.layer_spans)
-        kinds[so.step_id] = (kind_of(so, prompt_lens, long_tokens), decodes, prompt)
+        prompt = prompt_tokens(so, prompt_lens)
+        decodes = sum(1 for n in prompt.values() if n == 0)
+        prefilled = sum(n for r, n in prompt.items() if r not in so.layer_spans)
+        kinds[so.step_id] = (kind_of(so, prompt_lens, long_tokens), decodes, prefilled)
     totals: dict[str, KindTotal] = {}
     for timing in read_steps(prefix):
         if timing.step_id not in kinds or timing.num_tokens == 0:

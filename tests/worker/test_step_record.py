@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from evenflow.bench.step_account import account, format_account, kind_of
+from evenflow.bench.step_account import account, format_account, kind_of, prompt_tokens
 from evenflow.bench.step_replay import compare, format_comparison, replay
 from evenflow.protocol import CachedRequestData, InitKVCache, NewRequestData, SchedulerOutput, WorkerShutdown
 from evenflow.worker.step_record import RECORD_ENV, StepClock, StepRecorder, StepTiming, read_frames, read_steps
@@ -134,3 +134,13 @@ def test_a_recording_is_accounted_by_what_its_steps_carried(tiny_llama: Path, tm
     # A layer group of the long prompt, and three short prompts beside it.
     group = SchedulerOutput(3, [], [], {"b": 9, "c": 4, "d": 4, "e": 4, "a": 1}, 21, layer_spans={"b": (0, 1)})
     assert kind_of(group, {"b": 9, "c": 4, "d": 4, "e": 4}, long_tokens=6) == "long layers + 3+ short"
+
+
+def test_a_prompts_last_token_is_prompt_work_and_a_decode_with_drafts_is_not() -> None:
+    # b has 8 of its 9 prompt tokens computed: its one token this step is the prompt's last. a decodes
+    # with two draft slots (3 tokens scheduled).
+    so = SchedulerOutput(4, [], [CachedRequestData("a", [], 7), CachedRequestData("b", [], 8)], {"a": 3, "b": 1}, 4,
+                         num_draft_slots={"a": 2})
+    assert prompt_tokens(so, {"a": 6, "b": 9}) == {"a": 0, "b": 1}
+    assert kind_of(so, {"a": 6, "b": 9}, long_tokens=6) == "long chunk"
+    assert kind_of(so, {"a": 6, "b": 9}, long_tokens=20) == "1 short"

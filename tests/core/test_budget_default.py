@@ -142,6 +142,38 @@ def test_without_a_target_the_controller_derives_one_from_the_decode_steps() -> 
     assert scheduler.budget_controller.aim_s == pytest.approx(target, rel=0.05)  # type: ignore[union-attr]
 
 
+def test_a_paused_worker_is_one_slow_step_not_a_new_target() -> None:
+    """A worker stopped for 2 s (SIGSTOP: stopped threads wait in no run queue, so the step is not marked
+    contended) while it runs a long prompt's chunk is one step at ~10x its prediction. The derived target
+    does not move (the prompt step is its window's lower quartile; a prompt step leaves the decode tracker
+    alone), the chunks after it shrink while the fit forgets, and within
+    two long prompts they are as large as in a run never paused, under an aim no lower."""
+    machine = SyntheticMachine(fixed=30e-3, per_token=200e-6)
+    runs = {name: scheduler_with_streams(auto_target_itl=True) for name in ("quiet", "paused")}
+    targets: dict[str, list[float]] = {name: [] for name in runs}
+    chunks: dict[str, list[int]] = {name: [] for name in runs}
+    for i in range(700):
+        for name, scheduler in runs.items():
+            if i % 100 == 50:
+                add(scheduler, f"long-{i}", LONG_PROMPT)
+            pause = name == "paused" and i == 451  # the second step of the long prompt added at 450
+            output, _ = step(scheduler, lambda o: 2.0 if pause else machine.step_seconds(o))
+            targets[name].append(scheduler.budget_controller.target_s)  # type: ignore[union-attr]
+            chunks[name].append(sum(n for r, n in output.num_scheduled_tokens.items() if r.startswith("long")))
+    assert chunks["paused"][451] == chunks["quiet"][451] > 1  # the paused step carried a chunk
+    assert chunks["paused"][452] < chunks["quiet"][452]  # the fit's price after it, for a step or two
+    assert targets["paused"][451] == pytest.approx(targets["quiet"][451], rel=0.01)
+    assert targets["paused"][-1] == pytest.approx(targets["quiet"][-1], rel=0.01)
+    # A fit's price of prompt tokens is not forgotten over decode-only steps (they do not excite it): the next
+    # prompt takes one step more than unpaused; the one after it, none.
+    prefill_steps = {name: [sum(1 for n in c[start:start + 50] if n > 1) for start in (550, 650)]
+                     for name, c in chunks.items()}
+    assert prefill_steps["paused"][0] <= prefill_steps["quiet"][0] + 1
+    assert prefill_steps["paused"][1] <= prefill_steps["quiet"][1]
+    aims = {name: s.budget_controller.aim.share for name, s in runs.items()}  # type: ignore[union-attr]
+    assert aims["paused"] >= aims["quiet"]
+
+
 def test_the_aim_lets_about_one_percent_of_the_gaps_run_over_the_target() -> None:
     """On a noisy machine (5% jitter a step), the share of prefill steps over the target settles near
     1% of the gaps (every step here carries prefill), and most steps run close to the target instead of a

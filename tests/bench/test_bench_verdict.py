@@ -45,6 +45,9 @@ def test_a_derived_target_is_judged_by_its_run_median_whatever_the_run_is_called
     (line,) = verdict_lines(results)
     assert line.startswith("target auto (target 68.7 ms): held (p99 65.3, 0.95x the target")
     assert "best fixed budget meeting it, 128 (of 128)" in line  # the default's 380 ms stall is over 2x
+    unknown = Result("target auto", judged_target_ms("target auto", None), 200, 10.0, 12.0, 3000)
+    (line,) = verdict_lines(results + [unknown])  # not judged, and no fixed budget either
+    assert "(of 128)" in line
 
 
 def test_sweep_json_runs_carry_their_derived_targets(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ from evenflow.bench.plot import CurvePoint, plot_budget_curves
 from evenflow.bench.runner import RunOptions
 from evenflow.bench.server import ManagedServer, exit_on_sigterm
 from evenflow.bench.stats import RunStats, format_table
-from evenflow.bench.verdict import Result, judged_target_ms, verdict_lines
+from evenflow.bench.verdict import Result, run_result, verdict_lines
 from evenflow.bench.workload import add_workload_args, workload_from_args
 from evenflow.bench.serving import (
     DEFAULT_VOCAB_SIZE,
@@ -127,8 +127,8 @@ def verdict_results(points: list[SweepPoint], ttft_group: str, itl_group: str) -
             continue
         g = p.stats.groups
         t, i = g.get(ttft_group, g["all"]), g.get(itl_group, g["all"])
-        target = judged_target_ms(p.label, p.engine.target_itl_ms if p.engine is not None else None)
-        out.append(Result(p.label, target, t.ttft.p50, i.itl.p99, i.itl.p999, g["all"].total_throughput))
+        out.append(run_result(p.label, p.engine.target_itl_ms if p.engine is not None else None, t.ttft.p50,
+                              i.itl.p99, i.itl.p999, g["all"].total_throughput))
     return out
 
 
@@ -183,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
 
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     for t in targets:
-        if t != "auto" and not t.replace(".", "", 1).isdigit():
+        try:
+            if t != "auto":
+                float(t)
+        except ValueError:
             parser.error(f"--targets: {t!r} is neither milliseconds nor auto")
     runs: list[tuple[int | None, str | None, bool]] = [(b, None, False) for b in parse_budgets(args.budgets)]
     runs += [(None, t, False) for t in targets]

@@ -29,6 +29,8 @@ class Result:
     itl_p99: float
     itl_p999: float
     tok_s: float
+    adaptive: bool = False  # a target run, its target known or not (one without is no fixed budget either)
+    derived: bool = False  # the target is the engine's own (``target auto``, or a default that derives one)
 
     def meets(self, target_ms: float) -> bool:
         return self.itl_p99 <= P99_SLACK * target_ms and self.itl_p999 <= P999_FACTOR * target_ms
@@ -39,12 +41,10 @@ def verdict_lines(results: list[Result]) -> list[str]:
     for run in (r for r in results if r.target_ms is not None):
         t = run.target_ms
         assert t is not None
-        # A "target ..." run whose target is unknown (no metric of it) is no fixed budget either.
-        fixed = (r for r in results if r.target_ms is None and not r.label.startswith("target"))
+        fixed = (r for r in results if r.target_ms is None and not r.adaptive)
         meeting = sorted((r for r in fixed if r.meets(t)), key=lambda r: (r.ttft_p50, -r.tok_s))
         held = "held" if run.meets(t) else "missed"
-        derived = run.label in ("default", "target auto")
-        name = f"{run.label} (target {t:.1f} ms)" if derived else run.label
+        name = f"{run.label} (target {t:.1f} ms)" if run.derived else run.label
         head = (f"{name}: {held} (p99 {run.itl_p99:.1f}, {run.itl_p99 / t:.2f}x the target; "
                 f"p99.9 {run.itl_p999:.1f})")
         if not meeting:
@@ -58,13 +58,18 @@ def verdict_lines(results: list[Result]) -> list[str]:
     return lines
 
 
-def judged_target_ms(label: str, derived_ms: float | None) -> float | None:
-    """The target a run is judged against: the one its label names (``target 15 ms``), or for a target the
-    engine derived (``target auto``, or ``default`` where the default derives one) the median of the
-    run's samples of it; None for a fixed budget."""
-    if label == "target auto" or (label == "default" and derived_ms):
-        return derived_ms or None
-    return float(label.split()[1]) if label.startswith("target") else None
+def run_result(label: str, derived_ms: float | None, ttft_p50: float, itl_p99: float, itl_p999: float,
+               tok_s: float) -> Result:
+    """A sweep's run as the bar judges it, by its label: a fixed budget (``256``, ``default``), a target it
+    names (``target 15 ms``), or a target the engine derived (``target auto``, or ``default`` where the
+    default derives one), judged by ``derived_ms``, the median of the run's samples of it."""
+    derived = label == "target auto" or (label == "default" and bool(derived_ms))
+    if derived:
+        target = derived_ms or None
+    else:
+        target = float(label.split()[1]) if label.startswith("target") else None
+    return Result(label, target, ttft_p50, itl_p99, itl_p999, tok_s, adaptive=derived or target is not None,
+                  derived=derived)
 
 
 def results_from_json(path: str) -> list[Result]:
@@ -79,9 +84,8 @@ def results_from_json(path: str) -> list[Result]:
         groups = p["stats"]["groups"]
         t = groups["long" if interference else "all"]["ttft"]
         i = groups["steady" if interference else "all"]["itl"]
-        label = p["label"]
-        target = judged_target_ms(label, (p.get("engine") or {}).get("target_itl_ms"))
-        out.append(Result(label, target, t["p50"], i["p99"], i["p999"], groups["all"]["total_throughput"]))
+        out.append(run_result(p["label"], (p.get("engine") or {}).get("target_itl_ms"), t["p50"], i["p99"], i["p999"],
+                              groups["all"]["total_throughput"]))
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from evenflow.bench.verdict import Result, judged_target_ms, results_from_json, verdict_lines
+from evenflow.bench.verdict import Result, results_from_json, run_result, verdict_lines
 
 
 def fixed(label: str, ttft: float, p99: float, p999: float, tok_s: float) -> Result:
@@ -35,17 +35,20 @@ def test_a_run_that_matches_or_betters_both_measures_beats_it_and_none_meeting_s
 
 
 def test_a_derived_target_is_judged_by_its_run_median_whatever_the_run_is_called() -> None:
-    assert judged_target_ms("target auto", 68.7) == 68.7
-    assert judged_target_ms("default", 68.7) == 68.7
-    assert judged_target_ms("default", 0.0) is None  # the fixed default: a budget, not a target
-    assert judged_target_ms("target 15 ms", None) == 15.0
-    assert judged_target_ms("2048", None) is None
+    def target_of(label: str, derived_ms: float | None) -> float | None:
+        return run_result(label, derived_ms, 0.0, 0.0, 0.0, 0.0).target_ms
+
+    assert target_of("target auto", 68.7) == 68.7
+    assert target_of("default", 68.7) == 68.7
+    assert target_of("default", 0.0) is None  # the fixed default: a budget, not a target
+    assert target_of("target 15 ms", None) == 15.0
+    assert target_of("2048", None) is None
     results = [fixed("128", 300, 60.0, 90.0, 2000), fixed("default", 250, 20.0, 380.0, 2100),
-               Result("target auto", judged_target_ms("target auto", 68.7), 400, 65.3, 84.1, 2050)]
+               run_result("target auto", 68.7, 400, 65.3, 84.1, 2050)]
     (line,) = verdict_lines(results)
     assert line.startswith("target auto (target 68.7 ms): held (p99 65.3, 0.95x the target")
     assert "best fixed budget meeting it, 128 (of 128)" in line  # the default's 380 ms stall is over 2x
-    unknown = Result("target auto", judged_target_ms("target auto", None), 200, 10.0, 12.0, 3000)
+    unknown = run_result("target auto", None, 200, 10.0, 12.0, 3000)
     (line,) = verdict_lines(results + [unknown])  # not judged, and no fixed budget either
     assert "(of 128)" in line
 

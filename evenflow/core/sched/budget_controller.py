@@ -234,7 +234,7 @@ class BudgetController(LayerGroupSizing):
         if gate.chunks_beside:
             alone_s = max(alone_s, 0.0) + self.chunks_s(self.model.fitted_costs(), gate.chunks_beside)
         predicted_s = self.model.predict(shape)
-        context = gate.chunks[0][1] if gate.chunks else 0
+        context = max(gate.chunks)[1] if gate.chunks else 0  # its largest chunk's: the one that prices it
         if survey.decodes and prefill_tokens:
             floor_s = self._prompt_token_floor_s(context)
             predicted_s = max(predicted_s, max(alone_s, 0.0) + floor_s * prefill_tokens)

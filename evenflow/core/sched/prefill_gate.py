@@ -134,6 +134,10 @@ class PrefillGate:
         self.whole_only = True
         self.seats = seats
 
+    def reopen_chunks(self) -> None:
+        """After the short prompts of a ``whole_prompts_only`` step: a chunk may take what they left."""
+        self.whole_only = False
+
     def fits_whole(self, request: Request, max_num_batched_tokens: int) -> bool:
         """Whether a waiting prompt would prefill whole within this step's allowance, beside its decodes."""
         return (1 < request.num_tokens <= self.allowance_left

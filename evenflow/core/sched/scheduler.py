@@ -3,10 +3,10 @@
 ``schedule()`` is four phases over one ``StepPlan``: the RUNNING requests, in order, each with as
 many of its remaining tokens as the budget allows (and its draft slots); then, only if nobody had to
 be preempted, the WAITING requests, each only when the free blocks hold all its known tokens; then
-the next layer group of a prompt prefilled by layer groups, if one is climbing (layered_steps.py); then closing the step
-into a ``SchedulerOutput``. When the KV
-cache cannot hold a chunk, the last RUNNING request (latest admitted under ``fcfs``, lowest
-priority under ``priority``) is preempted by recompute. Each phase has one hook method for what
+the next layer group of a prompt climbing the layers (layered_steps.py), or in a step yielded to short
+prompts the chunk they made wait; then closing the step into a ``SchedulerOutput``. When the KV
+cache cannot hold a chunk, the last RUNNING request (latest admitted under ``fcfs``, lowest priority
+under ``priority``) is preempted by recompute. Each phase has one hook method for what
 LoRA (``_ready_to_admit``), KV offload (``_computed_blocks``, ``_close_step``) and a draft model
 (``_reserve_draft_slots``) add.
 
@@ -20,7 +20,7 @@ Every prefill chunk passes the step's ``PrefillGate``: open by default (the toke
 limits it); with ``--target-itl-ms`` the ``BudgetController`` chooses how much prompt work rides
 along with the decodes (a prompt it would cut goes by layer groups instead: layered_prefill.py; a
 short prompt behind a climb goes whole in the next step, beside the climb's group where its room is
-left, and behind a chunked prompt likewise, every other step at most), and
+left, and behind a chunked prompt likewise, its chunk beside them in what is left), and
 ``--max-num-partial-prefills`` bounds the prompts mid-prefill.
 """
 
@@ -33,6 +33,7 @@ from evenflow.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 
 from evenflow.core.kv.block_pool import KVBlock
 from evenflow.core.kv.manager import ComputedBlocks
+from evenflow.core.sched.budget_controller import PREFILL_FLOOR_TOKENS
 from evenflow.core.sched.layered_prefill import LayeredPrefill
 from evenflow.core.sched.layered_steps import LayeredSteps
 from evenflow.core.sched.prefill_gate import PrefillGate
@@ -56,6 +57,8 @@ class Scheduler(LayeredSteps):
             self._schedule_waiting(step)
         if self._layered is not None:
             self._schedule_layer_group(step)
+        elif step.gate.whole_only and not step.preempted_req_ids:
+            self._schedule_chunk_beside(step)
         output = self._close_step(step)
         self._schedule_s += time.perf_counter() - start
         return output
@@ -127,20 +130,44 @@ class Scheduler(LayeredSteps):
             num_slots = 0
             if speculative:
                 num_slots, more_blocks = self._reserve_draft_slots(step, request, num_new, token_budget - num_new)
-                num_new += num_slots
                 if more_blocks:
                     new_blocks = new_blocks + more_blocks
-            step.cached_reqs.append(CachedRequestData(
-                req_id=request.request_id,
-                new_block_ids=[block.block_id for block in new_blocks] if new_blocks else [],
-                num_computed_tokens=request.num_computed_tokens))
-            step.num_scheduled_tokens[request.request_id] = num_new
-            token_budget -= num_new
-            self._advance(request, num_new, num_slots)
-            if request.grammar is not None and request.num_output_placeholders:
-                step.structured.append(request)
+            token_budget -= num_new + num_slots
+            self._place_running(step, request, num_new, new_blocks, num_slots)
             index += 1
         step.token_budget = token_budget
+
+    def _place_running(self, step: StepPlan, request: Request, num_new: int, new_blocks: list[KVBlock],
+                       num_slots: int = 0) -> None:
+        """Put a running request's allocated chunk (and its draft slots) into the step."""
+        step.cached_reqs.append(CachedRequestData(
+            req_id=request.request_id, new_block_ids=[block.block_id for block in new_blocks],
+            num_computed_tokens=request.num_computed_tokens))
+        step.num_scheduled_tokens[request.request_id] = num_new + num_slots
+        self._advance(request, num_new + num_slots, num_slots)
+        if request.grammar is not None and request.num_output_placeholders:
+            step.structured.append(request)
+
+    def _schedule_chunk_beside(self, step: StepPlan) -> None:
+        """Phase 3 of a step yielded to short prompts (``whole_prompts_only``): the prompt chunk phase 1
+        refused runs in the allowance they left, at least ``PREFILL_FLOOR_TOKENS`` of it, and only on free
+        blocks (nobody admitted is preempted back). It saves the streams' decodes a step of their own (such
+        steps ran at half the aim on the tiny model). Short prompts still get every other step at most: let
+        them take the next one too, and they took more of the long prompt's room than they gave back (the
+        virtual clock, tiny model: its TTFT 1.1x; this way 0.98x)."""
+        gate = step.gate
+        gate.reopen_chunks()
+        request = next((r for r in self.running if r.num_tokens - r.num_computed_tokens > 1 and not r.held
+                        and r.request_id not in step.num_scheduled_tokens), None)  # the one that waited
+        if request is None:
+            return
+        num_computed = request.num_computed_tokens
+        num_new = gate.limit(request, num_computed, self._num_new_tokens_running(request, step.token_budget))
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new) if num_new >= PREFILL_FLOOR_TOKENS else None
+        if new_blocks is not None:
+            gate.commit(request, num_computed, num_new)
+            step.token_budget -= num_new
+            self._place_running(step, request, num_new, new_blocks)
 
     def _reserve_draft_slots(self, step: StepPlan, request: Request, num_new: int,
                              budget_left: int) -> tuple[int, list[KVBlock]]:

@@ -329,7 +329,7 @@ def _target_itl_ms(text: str) -> float | str:
 def config_from_args(argv: Sequence[str] | None = None) -> EngineConfig:
     """Parse the command line into a validated EngineConfig (ConfigError when invalid)."""
     ns = build_parser().parse_args(argv)
-    mode = budget_mode(ns.max_num_batched_tokens is not None, ns.target_itl_ms)
+    mode = budget_mode(ns.target_itl_ms)
     if ns.max_num_batched_tokens is None:
         ns.max_num_batched_tokens = EngineConfig.max_num_batched_tokens
     ns.auto_target_itl = mode == "auto"

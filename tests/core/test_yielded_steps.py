@@ -59,3 +59,26 @@ def test_a_short_prompt_that_leaves_less_than_the_floor_takes_the_step_alone() -
     assert beside and all(long == 0 for long in beside)
     assert all(not (a[1] and b[1]) for a, b in zip(steps, steps[1:]))  # never two yields in a row
     assert slowest <= TARGET_S * 1.001
+
+
+def test_a_step_of_a_short_prompt_and_a_chunk_teaches_no_context_its_price() -> None:
+    """The short prompt follows no context and the chunk beside it ~1,000 tokens: the step's price of a
+    prompt token is neither's, so the measured prices by context (``MeasuredPromptCost``) keep what they had;
+    a step of the chunk alone teaches its context's as before."""
+    scheduler, machine = scheduler_with_streams(), SyntheticMachine(num_layers=LAYERS, per_token=0.6e-3)
+    controller = scheduler.budget_controller
+    assert controller is not None
+    for _ in range(60):
+        run_step(scheduler, machine)
+    add(scheduler, "long", 2000)
+    while scheduler.requests["long"].num_computed_tokens < 1000:
+        run_step(scheduler, machine)
+    context = scheduler.requests["long"].num_computed_tokens
+    counts = [controller.prompt_cost.num_steps(c) for c in (0, context)]
+    add(scheduler, "short", 8, max_tokens=1)
+    output, _ = run_step(scheduler, machine)
+    assert output.num_scheduled_tokens["short"] == 8 and output.num_scheduled_tokens["long"] >= PREFILL_FLOOR_TOKENS
+    assert [controller.prompt_cost.num_steps(c) for c in (0, context)] == counts
+    output, _ = run_step(scheduler, machine)
+    assert "short" not in output.num_scheduled_tokens and output.num_scheduled_tokens["long"] > 1
+    assert controller.prompt_cost.num_steps(context) == counts[1] + 1

@@ -74,7 +74,10 @@ class _Planned:
     prefill_share: float = 0.0  # its prompt work in tokens through every layer, unrounded (a group: tokens x share)
     decodes_alone_s: float = 0.0  # the model's prediction of the step without its prompt chunks
     filled: bool = False  # its prompt work was sized to the aim (not the share or the floor) and fills it (aim.py)
-    prefill_context: int = 0  # computed tokens before its first prompt chunk
+    prefill_context: int = 0  # computed tokens before its prompt chunks (the most of them: the costliest)
+    # Its chunks follow contexts of different sizes (a short prompt and a long one's chunk beside it): what a
+    # token cost after one of them is not told apart from the other's (MeasuredPromptCost learns nothing).
+    mixed_contexts: bool = False
     # Short prompts rode beside its layer group: their share of its time is the fit's guess (up to 1.5x their
     # time, served), so the step teaches nothing of prompt tokens, layers or decodes.
     beside: bool = False
@@ -234,7 +237,8 @@ class BudgetController(LayerGroupSizing):
         if gate.chunks_beside:
             alone_s = max(alone_s, 0.0) + self.chunks_s(self.model.fitted_costs(), gate.chunks_beside)
         predicted_s = self.model.predict(shape)
-        context = max(gate.chunks)[1] if gate.chunks else 0  # its largest chunk's: the one that prices it
+        contexts = [computed for _, computed in gate.chunks]
+        context = max(contexts, default=0)  # its tokens priced after the costliest context, as the allowance was
         if survey.decodes and prefill_tokens:
             floor_s = self._prompt_token_floor_s(context)
             predicted_s = max(predicted_s, max(alone_s, 0.0) + floor_s * prefill_tokens)
@@ -247,7 +251,7 @@ class BudgetController(LayerGroupSizing):
         filled = (survey.decodes > 0 and prefill_share > 0 and self._bound_by not in UNAIMED
                   and predicted_s >= FILLED_SHARE * self.target_s)
         planned = _Planned(shape, predicted_s, survey.decodes > 0, prefill_share, alone_s, filled, context,
-                           bool(gate.chunks_beside))
+                           not self.prompt_cost.same_bucket(contexts), bool(gate.chunks_beside))
         if layered is not None and gate.chunk_share < 1:
             planned.layers, planned.layer_key, planned.layer_tokens = layered[1], layered[0], gate.prefill_tokens
         if self._pending_trace is not None:
@@ -319,7 +323,7 @@ class BudgetController(LayerGroupSizing):
     def _follow(self, planned: _Planned, seconds: float) -> None:
         """Feed one decode-carrying step back: the aim (a step that filled it), and the derived target."""
         self.aim.follow_step(planned.filled)
-        if planned.has_prefill and not planned.beside:
+        if planned.has_prefill and not planned.beside and not planned.mixed_contexts:
             self.prompt_cost.observe(seconds, planned.decodes_alone_s, planned.prefill_tokens,
                                      planned.prefill_context)
         if planned.filled and self.model.num_observations >= AIM_WARM_UP:

@@ -47,9 +47,9 @@ def check_prefill_limits(max_num_partial_prefills: int, max_long_partial_prefill
         raise ConfigError(f"--target-itl-ms must be positive, got {target_itl_ms}")
 
 
-def budget_mode(max_num_batched_tokens_given: bool, target_itl_ms: float | str | None) -> str:
-    """How the step's token budget is set, from the flags a user gave (vLLM's meaning of
-    --max-num-batched-tokens kept: the fixed budget unless a target is asked for):
+def budget_mode(target_itl_ms: float | str | None) -> str:
+    """How the step's token budget is set, from ``--target-itl-ms`` (vLLM's meaning of
+    --max-num-batched-tokens kept: the fixed budget unless a target is asked for, else its ceiling):
 
     * ``fixed``: no ``--target-itl-ms`` (or 0): every step's budget is --max-num-batched-tokens;
     * ``target``: ``--target-itl-ms X``: the adaptive budget held at X, the budget flag its ceiling;
@@ -59,7 +59,6 @@ def budget_mode(max_num_batched_tokens_given: bool, target_itl_ms: float | str |
       the TTFT bar too) on the tiny demo model (docs/tuning.md, "The current verdict"); the fixed budget
       stays the default until it holds there.
     """
-    del max_num_batched_tokens_given  # the budget is the fixed budget or the ceiling, whichever the mode
     if target_itl_ms is None or target_itl_ms == 0:
         return "fixed"
     return "auto" if target_itl_ms == "auto" else "target"  # a negative one is refused by check_prefill_limits

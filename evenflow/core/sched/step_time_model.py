@@ -150,7 +150,7 @@ class MeasuredPromptCost:
     def observe(self, step_s: float, decodes_alone_s: float, prompt_tokens: int, context: int) -> None:
         """One step: its measured time, the model's prediction of its decodes alone (clipped to the
         step: a fit below zero puts the whole step on the prompt, the conservative side), and the
-        context its (first) chunk followed."""
+        context its chunks followed."""
         b = self._bucket(context)
         i = self._counts[b] % self._tokens.shape[1]
         self._seconds[b, i] = step_s - min(max(decodes_alone_s, 0.0), step_s)
@@ -165,6 +165,10 @@ class MeasuredPromptCost:
         b = self._bucket(context)
         tokens = float(self._tokens[b].sum())
         return float(self._seconds[b].sum()) / tokens if tokens > 0 else 0.0
+
+    def same_bucket(self, contexts: list[int]) -> bool:
+        """Whether chunks after these contexts are priced as one (none or one chunk: True)."""
+        return len({self._bucket(context) for context in contexts}) <= 1
 
     def _bucket(self, context: int) -> int:
         return min(max(int(context), 0).bit_length(), len(self._counts) - 1)

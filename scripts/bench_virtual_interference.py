@@ -5,8 +5,8 @@ measured CPU cost (evenflow/bench/virtual_interference.py says what is and is no
     python scripts/bench_virtual_interference.py --model-dir /tmp/tiny [--budgets 32,64,128,256,2048]
         [--targets 100] [--streams 6] [--long-interval 10] [--duration 84] [--seeds 0,1]
 
-Rows: the default (no flag: the derived target under a 2048 ceiling), each fixed budget, each
-``--target-itl-ms``; columns as the issue's table: the streams' ITL p50/p99/max and gaps over 250 ms,
+Rows: the default (no flag: the fixed 2048-token budget), the derived target (``--target-itl-ms auto``,
+under the default 2048 ceiling), each fixed budget, each ``--target-itl-ms``; columns as the issue's table: the streams' ITL p50/p99/max and gaps over 250 ms,
 the long prompts' TTFT p50, output tokens/s. ``--seeds`` runs each configuration once per jitter seed
 and prints the median of each column.
 """
@@ -28,7 +28,8 @@ COLUMNS = ("itl_p50", "itl_p99", "itl_max", "gaps_over_250", "ttft_p50", "ttft_p
 
 def configs(args: argparse.Namespace) -> list[tuple[str, dict[str, object], float | None]]:
     """(label, SchedulerConfig options, the derived target's decode-step multiple for this run)."""
-    runs: list[tuple[str, dict[str, object], float | None]] = [("default", dict(auto_target_itl=True), None)]
+    runs: list[tuple[str, dict[str, object], float | None]] = [("default", {}, None),
+                                                               ("target auto", dict(auto_target_itl=True), None)]
     runs += [(f"auto, {k}x decode", dict(auto_target_itl=True), float(k)) for k in args.auto_multiples.split(",") if k]
     runs += [(f"fixed {b}", dict(max_num_batched_tokens=int(b)), None) for b in args.budgets.split(",") if b]
     runs += [(f"target {t} ms", dict(target_itl_ms=float(t)), None) for t in args.targets.split(",") if t]

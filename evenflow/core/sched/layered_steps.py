@@ -19,7 +19,7 @@ class LayeredSteps(RequestLedger):
     """The prompt climbing the layers, as the scheduler's steps plan it."""
 
     _layered: LayeredPrefill | None = None  # the prompt climbing the layers, if any
-    _yielded = False  # the last step's prompt room went to short prompts, and the running prompt waited
+    _yielded = False  # the last step was yielded to short prompts (the running prompt waited, or took what they left)
     _stopped_climb: Request | None = None  # the last prompt that stopped climbing (it goes on in token chunks)
 
     def _layer_instead(self, step: StepPlan, request: Request, num_computed: int) -> bool:

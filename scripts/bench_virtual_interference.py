@@ -6,9 +6,10 @@ measured CPU cost (evenflow/bench/virtual_interference.py says what is and is no
         [--targets 100] [--streams 6] [--long-interval 10] [--duration 84] [--seeds 0,1]
 
 Rows: the default (no flag: the fixed 2048-token budget), the derived target (``--target-itl-ms auto``,
-under the default 2048 ceiling), each fixed budget, each ``--target-itl-ms``; columns as the issue's table: the streams' ITL p50/p99/max and gaps over 250 ms,
-the long prompts' TTFT p50, output tokens/s. ``--seeds`` runs each configuration once per jitter seed
-and prints the median of each column.
+under the default 2048 ceiling), each fixed budget, each ``--target-itl-ms``; columns as the issue's table:
+the streams' ITL p50/p99/max and gaps over 250 ms, the long prompts' TTFT p50, output tokens/s, and the
+scheduler's own time a step (schedule and update, the budget controller's work included). ``--seeds`` runs
+each configuration once per jitter seed and prints the median of each column.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def main() -> None:
     print(f"costs (fixed, token, read, pair, request): {', '.join(f'{c:.3g}' for c in costs.coefficients)}")
     print(f"unchunked {args.long_prompt_len}-token prefill {unchunked:.2f} s, decode step of {args.streams} "
           f"{decode * 1e3:.1f} ms; a long prompt every {interval:.1f} s for {load.duration_s:.0f} s")
-    print("| run | target ms | mean budget | ITL p50 | ITL p99 | ITL max | gaps > 250 ms | long TTFT p50 s | out tok/s |")
-    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+    print("| run | target ms | mean budget | ITL p50 | ITL p99 | ITL max | gaps > 250 ms | long TTFT p50 s | out tok/s "
+          "| scheduler us/step |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     seeds = [int(s) for s in args.seeds.split(",")]
     default_multiple = auto_target.AUTO_TARGET_DECODE_MULTIPLE
     points: list[CurvePoint] = []
@@ -74,8 +76,10 @@ def main() -> None:
         med = {c: statistics.median(r.summary()[c] for r in results) for c in COLUMNS}
         target = statistics.median(r.target_ms for r in results)
         budget = statistics.median(r.mean_budget for r in results)
+        engine_us = statistics.median(r.engine_us_per_step for r in results)
         print(f"| {label} | {target:.0f} | {budget:.0f} | {med['itl_p50']:.0f} | {med['itl_p99']:.0f} | "
-              f"{med['itl_max']:.0f} | {med['gaps_over_250']:.0f} | {med['ttft_p50']:.2f} | {med['out_tok_s']:.1f} |",
+              f"{med['itl_max']:.0f} | {med['gaps_over_250']:.0f} | {med['ttft_p50']:.2f} | {med['out_tok_s']:.1f} | "
+              f"{engine_us:.0f} |",
               flush=True)
         if not label.startswith("auto,"):
             per_step = statistics.median(r.tokens_per_step for r in results)

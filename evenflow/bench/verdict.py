@@ -29,7 +29,6 @@ class Result:
     itl_p99: float
     itl_p999: float
     tok_s: float
-    adaptive: bool = False  # a target run, its target known or not (one without is no fixed budget either)
     derived: bool = False  # the target is the engine's own (``target auto``, or a default that derives one)
 
     def meets(self, target_ms: float) -> bool:
@@ -41,7 +40,8 @@ def verdict_lines(results: list[Result]) -> list[str]:
     for run in (r for r in results if r.target_ms is not None):
         t = run.target_ms
         assert t is not None
-        fixed = (r for r in results if r.target_ms is None and not r.adaptive)
+        # A derived target not known (no samples) is no fixed budget either.
+        fixed = (r for r in results if r.target_ms is None and not r.derived)
         meeting = sorted((r for r in fixed if r.meets(t)), key=lambda r: (r.ttft_p50, -r.tok_s))
         held = "held" if run.meets(t) else "missed"
         name = f"{run.label} (target {t:.1f} ms)" if run.derived else run.label
@@ -68,8 +68,7 @@ def run_result(label: str, derived_ms: float | None, ttft_p50: float, itl_p99: f
         target = derived_ms or None
     else:
         target = float(label.split()[1]) if label.startswith("target") else None
-    return Result(label, target, ttft_p50, itl_p99, itl_p999, tok_s, adaptive=derived or target is not None,
-                  derived=derived)
+    return Result(label, target, ttft_p50, itl_p99, itl_p999, tok_s, derived=derived)
 
 
 def results_from_json(path: str) -> list[Result]:

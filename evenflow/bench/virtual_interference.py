@@ -107,6 +107,7 @@ class RunResult:
     target_ms: float = 0.0  # the controller's target, averaged over the steps of the arrival window
     mean_budget: float = 0.0
     tokens_per_step: float = 0.0
+    engine_us_per_step: float = 0.0  # the scheduler's own time a step (schedule + update), this process's wall clock
 
     def summary(self) -> dict[str, float]:
         itl = np.array(self.itl_ms) if self.itl_ms else np.zeros(1)
@@ -175,4 +176,5 @@ def run(label: str, config: SchedulerConfig, costs: MachineCosts, load: Workload
     steps = sum(stats.budget.token_budget_log2_counts)
     result.mean_budget = stats.budget.token_budget_sum / steps if steps else 0.0
     result.tokens_per_step = stats.scheduler.num_scheduled_tokens / max(stats.scheduler.num_steps, 1)
+    result.engine_us_per_step = 1e6 * (stats.scheduler.schedule_s + stats.scheduler.update_s) / max(stats.scheduler.num_steps, 1)
     return result

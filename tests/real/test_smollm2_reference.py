@@ -1,7 +1,7 @@
 """The real model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to float32) in the real runner,
 driven by the real scheduler, against transformers loading the same GGUF: greedy token ids equal
 at the default budget and at budgets that cut the chat prompts mid-way, with overlap on and off,
-prompts prefilled by layer groups, prefix-cache hits, preemption, n-gram drafts and a JSON-schema grammar;
+prompts prefilled by layer groups, a chunk beside a short prompt, prefix-cache hits, preemption, n-gram drafts and a JSON-schema grammar;
 logprobs within 2e-3."""
 
 from __future__ import annotations
@@ -100,6 +100,27 @@ def test_prompts_by_layer_groups_beside_a_stream(runner: ModelRunner, smollm2_to
                       scheduler_overrides={"target_itl_ms": 0.001, "num_layers": 30})
     climbed = {req for s in result.steps for req in s.layer_spans}
     assert climbed == {jobs[1].req_id, jobs[2].req_id}
+    assert result.outputs == expect(reference, jobs)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_chunk_beside_a_short_prompt(runner: ModelRunner, smollm2_tokenizer: Tokenizer, reference: Any,
+                                       overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chat prompt in 24-token chunks beside a decoding stream (the allowance forced); a short prompt
+    arriving behind it goes whole, and the chunk rides beside it in the room it leaves."""
+    allowance = 24
+    monkeypatch.setattr(BudgetController, "prefill_allowance",
+                        lambda self, survey: allowance if survey.decodes else 4096)
+    short = smollm2_tokenizer.encode("The sky is", add_special_tokens=False)
+    jobs = [Job(f"bes-stream-{overlap}", chat_ids(smollm2_tokenizer, QUESTIONS[0]), 24),
+            Job(f"bes-long-{overlap}", chat_ids(smollm2_tokenizer, QUESTIONS[2], "Be exact. " + SYSTEM), 8,
+                arrive_step=3),
+            Job(f"bes-short-{overlap}", short, 8, arrive_step=5)]
+    result = run_jobs(runner, jobs, num_blocks=64, budget=2048, overlap=overlap,
+                      scheduler_overrides={"target_itl_ms": 50.0})
+    beside = next(s for s in result.steps if s.num_scheduled_tokens.get(jobs[2].req_id, 0) > 1)
+    assert beside.num_scheduled_tokens[jobs[2].req_id] == len(short)  # whole
+    assert beside.num_scheduled_tokens[jobs[1].req_id] == allowance - len(short)  # the chunk in what it left
     assert result.outputs == expect(reference, jobs)
 
 

@@ -149,21 +149,20 @@ class Scheduler(LayeredSteps):
             step.structured.append(request)
 
     def _schedule_chunk_beside(self, step: StepPlan) -> None:
-        """Phase 3 of a step yielded to short prompts (``whole_prompts_only``): the prompt chunk phase 1
-        refused runs in the allowance they left, at least ``PREFILL_FLOOR_TOKENS`` of it, and only on free
-        blocks (nobody admitted is preempted back). It saves the streams' decodes a step of their own (such
-        steps ran at half the aim on the tiny model). Short prompts still get every other step at most: let
-        them take the next one too, and they took more of the long prompt's room than they gave back (the
-        virtual clock, tiny model: its TTFT 1.1x; this way 0.98x)."""
+        """Phase 3 of a step yielded to short prompts: the chunk phase 1 refused runs in the allowance they left
+        (``PREFILL_FLOOR_TOKENS`` at least), on free blocks only (nobody admitted is preempted back), and saves the
+        decodes a step of their own. Short prompts still get every other step at most: given the next one too,
+        they took more of the long prompt's room than they gave back (virtual clock, tiny model: TTFT 1.1x)."""
         gate = step.gate
         gate.reopen_chunks()
-        request = next((r for r in self.running if r.num_tokens - r.num_computed_tokens > 1 and not r.held
-                        and r.request_id not in step.num_scheduled_tokens), None)  # the one that waited
-        if request is None:
+        request = self._prompt_in_chunks()  # the one that waited
+        if request is None or request.held or request.request_id in step.num_scheduled_tokens:
             return
         num_computed = request.num_computed_tokens
         num_new = gate.limit(request, num_computed, self._num_new_tokens_running(request, step.token_budget))
-        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new) if num_new >= PREFILL_FLOOR_TOKENS else None
+        if num_new < PREFILL_FLOOR_TOKENS:
+            return
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
         if new_blocks is not None:
             gate.commit(request, num_computed, num_new)
             step.token_budget -= num_new
@@ -244,10 +243,15 @@ class Scheduler(LayeredSteps):
         if (not gate.survey.prefills or gate.bounded or not self.waiting
                 or len(self.running) >= self.config.max_num_seqs):
             return False
-        chunked = next(r for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
+        chunked = self._prompt_in_chunks()
+        assert chunked is not None  # the survey counted it
         return any(self._admissible(request) and gate.fits_whole(request, self.config.max_num_batched_tokens)
                    and self._pool_holds_prompt(request) and self._may_pass(request, chunked)
                    for request in islice(self.waiting, SHORT_PROMPT_SCAN))
+
+    def _prompt_in_chunks(self) -> Request | None:
+        """The first running request with more than one known token left: the prompt short ones pass."""
+        return next((r for r in self.running if r.num_tokens - r.num_computed_tokens > 1), None)
 
     def _may_pass(self, waiting: Request, running: Request) -> bool:
         """Whether a ``waiting`` prompt may take a step from a ``running`` one's prefill: always, but

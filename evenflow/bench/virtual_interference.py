@@ -176,5 +176,6 @@ def run(label: str, config: SchedulerConfig, costs: MachineCosts, load: Workload
     steps = sum(stats.budget.token_budget_log2_counts)
     result.mean_budget = stats.budget.token_budget_sum / steps if steps else 0.0
     result.tokens_per_step = stats.scheduler.num_scheduled_tokens / max(stats.scheduler.num_steps, 1)
-    result.engine_us_per_step = 1e6 * (stats.scheduler.schedule_s + stats.scheduler.update_s) / max(stats.scheduler.num_steps, 1)
+    counts = stats.scheduler
+    result.engine_us_per_step = 1e6 * (counts.schedule_s + counts.update_s) / max(counts.num_steps, 1)
     return result

@@ -1,7 +1,8 @@
 """The real model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to float32) in the real runner,
 driven by the real scheduler, against transformers loading the same GGUF: greedy token ids equal
 at the default budget and at budgets that cut the chat prompts mid-way, with overlap on and off,
-prompts prefilled by layer groups, a chunk beside a short prompt, prefix-cache hits, preemption, n-gram drafts and a JSON-schema grammar;
+prompts prefilled by layer groups, a chunk beside a short prompt, prefix-cache hits, preemption, n-gram
+drafts and a JSON-schema grammar;
 logprobs within 2e-3."""
 
 from __future__ import annotations

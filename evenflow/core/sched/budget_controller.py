@@ -37,7 +37,6 @@ root, not a search.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from evenflow.protocol import ModelRunnerOutput, SchedulerOutput, SchedulerStats
@@ -51,7 +50,7 @@ from evenflow.core.sched.layer_group_sizing import MIN_OBSERVATIONS, TRUST_GROWT
 from evenflow.core.sched.layered_prefill import LayerPrice
 from evenflow.core.sched.prefill_gate import PrefillGate, RunningSurvey
 from evenflow.core.sched.step_time_model import (
-    MeasuredPromptCost, StepCosts, StepShape, StepTimeModel, chunk_pairs, shape_of_step,
+    MeasuredPromptCost, StepCosts, StepShape, StepTimeModel, chunk_pairs, largest_chunk_within, shape_of_step,
 )
 
 PREFILL_FLOOR_TOKENS = 16
@@ -198,27 +197,12 @@ class BudgetController(LayerGroupSizing):
 
     def _largest_within(self, cost: StepCosts, survey: RunningSurvey, base_s: float, seconds: float) -> int:
         """The largest P whose step (``base_s`` plus a chunk of P after the first prefill's context) is
-        predicted within ``seconds``."""
-        c = survey.first_prefill_context
+        predicted within ``seconds``; where the fit sees no price in prompt tokens, the largest chunk
+        trusted so far (a doubling on its word took a tiny model's step to 2.1x its target)."""
         if base_s <= 0:  # a fit that prices the decodes alone at nothing or less says nothing of a chunk
             return int(self.largest_prefill_seen)
-        slack = base_s - seconds  # negative: room for prefill
-        if slack >= 0:
-            return 0
-        # A chunk of P after C: P tokens, C + P reads, P * (C + (P + 1) / 2) pairs, so
-        # per_pair/2 * P^2 + (per_token + per_read + per_pair * (C + 1/2)) * P + slack <= 0
-        # (The fitted costs may be negative: a < 0 is read as 0, the conservative side; b <= 0 with
-        # a <= 0 is a fit that sees no price in prompt tokens: no growth on its word, the largest
-        # chunk trusted so far; a doubling there took a tiny model's step to 2.1x its target.)
-        a = cost.per_pair / 2
-        b = cost.per_token + cost.per_read + cost.per_pair * (c + 0.5)
-        if a > 0:
-            p = (-b + math.sqrt(b * b - 4 * a * slack)) / (2 * a)
-        elif b > 0:
-            p = -slack / b
-        else:
-            return int(self.largest_prefill_seen)
-        return int(min(p, self.max_tokens))
+        chunk = largest_chunk_within(cost, survey.first_prefill_context, seconds - base_s)
+        return int(self.largest_prefill_seen) if chunk is None else int(min(chunk, self.max_tokens))
 
     def record(self, output: SchedulerOutput, gate: PrefillGate) -> None:
         """Remember what the scheduled step holds and what it should cost, until its time arrives."""

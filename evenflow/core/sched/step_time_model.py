@@ -31,6 +31,7 @@ within ~4 steps.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -83,6 +84,25 @@ class StepCosts(NamedTuple):
     per_pair: float
     per_request: float
 
+
+
+def largest_chunk_within(cost: StepCosts, context: int, room_s: float) -> float | None:
+    """The largest chunk P after ``context`` tokens that the costs price within ``room_s`` seconds beyond the
+    step's decodes (0 for no room), or None where they see no price in prompt tokens.
+
+    A chunk of P after C: P tokens, C + P reads, P * (C + (P + 1) / 2) pairs, so
+    per_pair/2 * P^2 + (per_token + per_read + per_pair * (C + 1/2)) * P - room_s <= 0: one square root, not a
+    search. (Fitted costs may be negative: a < 0 is read as 0, the conservative side; b <= 0 with a <= 0 prices
+    prompt tokens at nothing.)"""
+    if room_s <= 0:
+        return 0.0
+    a = cost.per_pair / 2
+    b = cost.per_token + cost.per_read + cost.per_pair * (context + 0.5)
+    if a > 0:
+        return (-b + math.sqrt(b * b + 4 * a * room_s)) / (2 * a)
+    if b > 0:
+        return room_s / b
+    return None
 
 class StepTimeModel:
     """Recursive least squares over (1, tokens, K/V reads, prefill pairs, requests) with forgetting."""

@@ -3,9 +3,12 @@ the same prompt in one step.
 
 The model runner is driven directly (no scheduler, no processes): a new request with its first chunk,
 then one cached-request step per further chunk, exactly the steps the scheduler sends a lone prompt.
-The weights are random (``load_format="dummy"``: the cost of a step does not depend on their values),
-and the model's ``max_position_embeddings`` is raised to the longest prompt in a copy of its
-config.json, so a demo model's 2048-position limit does not cap the lengths measured.
+For a model folder the weights are random (``load_format="dummy"``: the cost of a step does not depend
+on their values), and the model's ``max_position_embeddings`` is raised to the longest prompt in a copy of
+its config.json, so a demo model's 2048-position limit does not cap the lengths measured. A GGUF file is
+loaded as ``evenflow serve --model FILE.gguf`` loads it (its Q4 projections kept 4-bit where the start-up
+measurement finds that faster: the kernels a served chunk runs on); past its context length its positions
+are ones it was not trained on, which costs the same.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from evenflow.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput, WorkerConfig
+from evenflow.protocol.gguf_file import is_gguf_path
 from evenflow.worker.runner import ModelRunner
 
 BLOCK_SIZE = 16
@@ -48,20 +52,25 @@ def config_copy_for_length(model_dir: str, max_len: int) -> Path:
 class LonePrefill:
     """Prefills one prompt at a time through a ``ModelRunner``, in chunks of a given size."""
 
-    def __init__(self, model_dir: str, max_len: int, max_chunk: int, dtype: str) -> None:
-        self.folder = config_copy_for_length(model_dir, max_len)
-        self.max_len = -(-(max_len + 1) // BLOCK_SIZE) * BLOCK_SIZE
-        self.num_blocks = self.max_len // BLOCK_SIZE + 1
+    def __init__(self, model: str, max_len: int, max_chunk: int, dtype: str) -> None:
+        if is_gguf_path(model):
+            self.folder, source, load_format = None, model, "auto"
+        else:
+            self.folder = config_copy_for_length(model, max_len + 1)
+            source, load_format = str(self.folder), "dummy"
+        self.max_len = max_len + 1
+        self.num_blocks = -(-self.max_len // BLOCK_SIZE) + 1
         self.runner = ModelRunner(WorkerConfig(
-            model=str(self.folder), dtype=dtype, device="cpu", block_size=BLOCK_SIZE, max_model_len=self.max_len,
+            model=source, dtype=dtype, device="cpu", block_size=BLOCK_SIZE, max_model_len=self.max_len,
             num_kv_blocks=self.num_blocks, max_num_seqs=1, max_num_batched_tokens=min(max_chunk, self.max_len),
-            load_format="dummy", num_threads=1, attention_backend="torch"))
+            load_format=load_format, num_threads=1, attention_backend="torch"))
         self.runner.init_kv_cache(self.num_blocks)
         self.params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         self.step_id = 0
 
     def close(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
     def _run(self, scheduled: dict[str, int], new: list[NewRequestData], cached: list[CachedRequestData],
              finished: list[str]) -> None:
@@ -94,12 +103,12 @@ class LonePrefill:
         return seconds, steps
 
 
-def measure(model_dir: str, prompt_lens: list[int], chunks: list[int | None], repeats: int, dtype: str = "float32") -> list[PrefillTiming]:
+def measure(model: str, prompt_lens: list[int], chunks: list[int | None], repeats: int, dtype: str = "float32") -> list[PrefillTiming]:
     """Every (length, chunk) pair, best of ``repeats``; within a repeat the chunk sizes run in turn, the
     order reversed every other repeat (a shared machine's slow spell then hits every size alike)."""
     longest = max(prompt_lens)
     largest = max([c for c in chunks if c is not None] + [longest])
-    bench = LonePrefill(model_dir, longest, largest, dtype)
+    bench = LonePrefill(model, longest, largest, dtype)
     try:
         bench.prefill(min(256, longest), 64)  # warm-up: kernels, allocator
         timings: list[PrefillTiming] = []

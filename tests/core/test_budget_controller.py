@@ -15,7 +15,9 @@ from evenflow.core.sched.prefill_gate import PrefillGate, RunningSurvey
 from evenflow.core.sched.config import SchedulerConfig
 from evenflow.core.request import Request
 from evenflow.core.sched.scheduler import Scheduler
-from evenflow.core.sched.step_time_model import StepShape, StepTimeModel, shape_of_step
+from evenflow.core.sched.step_time_model import (
+    StepCosts, StepShape, StepTimeModel, chunk_pairs, largest_chunk_within, shape_of_step,
+)
 from evenflow.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 from .synthetic_timing import SyntheticMachine
@@ -71,6 +73,21 @@ def test_step_time_model_recovers_a_linear_machine() -> None:
                           float(rng.integers(1, 64)))
         model.observe(shape, float(truth @ [1, shape.tokens, shape.kv_reads, shape.prefill_pairs, shape.requests]))
     np.testing.assert_allclose(model.coefficients(), truth, rtol=1e-3)
+
+
+def test_the_largest_chunk_within_a_room_is_priced_at_exactly_that_room() -> None:
+    cost = StepCosts(fixed=5e-3, per_token=80e-6, per_read=1e-7, per_pair=2e-9, per_request=1e-4)
+    for context in (0, 1000, 3000):
+        chunk = largest_chunk_within(cost, context, 0.05)
+        assert chunk is not None
+        # its tokens, its own reads (the context's are the step's base) and its pairs
+        priced = cost.per_token * chunk + cost.per_read * chunk + cost.per_pair * chunk_pairs(chunk, context)
+        assert priced == pytest.approx(0.05, rel=1e-9)
+    assert largest_chunk_within(cost, 1000, 0.0) == 0.0  # no room
+    linear = cost._replace(per_pair=0.0)
+    assert largest_chunk_within(linear, 1000, 0.05) == pytest.approx(0.05 / (80e-6 + 1e-7))
+    free = StepCosts(5e-3, -1e-6, 0.0, 0.0, 1e-4)  # a fit that prices prompt tokens at nothing or less
+    assert largest_chunk_within(free, 1000, 0.05) is None
 
 
 def test_controller_converges_to_the_largest_step_within_target() -> None:

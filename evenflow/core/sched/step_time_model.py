@@ -85,12 +85,12 @@ class StepCosts(NamedTuple):
     per_request: float
 
 
-
 def largest_chunk_within(cost: StepCosts, context: int, room_s: float) -> float | None:
     """The largest chunk P after ``context`` tokens that the costs price within ``room_s`` seconds beyond the
-    step's decodes (0 for no room), or None where they see no price in prompt tokens.
+    step's base (its decodes, and the reads of the C tokens before the chunk), 0 for no room, or None where
+    they see no price in prompt tokens.
 
-    A chunk of P after C: P tokens, C + P reads, P * (C + (P + 1) / 2) pairs, so
+    A chunk of P after C: P tokens, P more reads, P * (C + (P + 1) / 2) pairs, so
     per_pair/2 * P^2 + (per_token + per_read + per_pair * (C + 1/2)) * P - room_s <= 0: one square root, not a
     search. (Fitted costs may be negative: a < 0 is read as 0, the conservative side; b <= 0 with a <= 0 prices
     prompt tokens at nothing.)"""

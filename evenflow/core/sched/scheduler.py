@@ -1,27 +1,25 @@
 """The scheduler: one token budget per step, shared by decodes and chunked prefills.
 
-``schedule()`` is four phases over one ``StepPlan``: the RUNNING requests, in order, each with as
-many of its remaining tokens as the budget allows (and its draft slots); then, only if nobody had to
-be preempted, the WAITING requests, each only when the free blocks hold all its known tokens; then
-the next layer group of a prompt climbing the layers (layered_steps.py), or in a step yielded to short
-prompts the chunk they made wait; then closing the step into a ``SchedulerOutput``. When the KV
-cache cannot hold a chunk, the last RUNNING request (latest admitted under ``fcfs``, lowest priority
-under ``priority``) is preempted by recompute. Each phase has one hook method for what
+``schedule()`` is four phases over one ``StepPlan``: the RUNNING requests, in order, each with as many of its
+remaining tokens as the budget allows (and its draft slots); then, only if nobody had to be preempted, the WAITING
+requests, each only when the free blocks hold all its known tokens; then the next layer group of a prompt climbing
+the layers (layered_steps.py), or in a step yielded to short prompts the chunk they made wait; then closing the step
+into a ``SchedulerOutput``. When the KV cache cannot hold a chunk, the last RUNNING request (latest admitted under
+``fcfs``, lowest priority under ``priority``) is preempted by recompute. Each phase has one hook method for what
 LoRA (``_ready_to_admit``), KV offload (``_computed_blocks``, ``_close_step``) and a draft model
 (``_reserve_draft_slots``) add.
 
-``schedule()`` advances ``num_computed_tokens`` at once and counts a placeholder for every token
-the step will sample, so the next step can be scheduled before this one's tokens are known (the
-workers fill those inputs from their own last sample). The rest of the scheduler, its state, the
-requests coming in and ``update_from_output()`` (a step's tokens and the stop checks, possibly
-after a later step was scheduled), is ``RequestLedger`` in evenflow/core/sched/ledger.py.
+``schedule()`` advances ``num_computed_tokens`` at once and counts a placeholder for every token the step will
+sample, so the next step can be scheduled before this one's tokens are known (the workers fill those inputs from
+their own last sample). The rest of the scheduler, its state, the requests coming in and ``update_from_output()`` (a
+step's tokens and the stop checks, possibly after a later step was scheduled), is ``RequestLedger`` in
+evenflow/core/sched/ledger.py.
 
-Every prefill chunk passes the step's ``PrefillGate``: open by default (the token budget alone
-limits it); with ``--target-itl-ms`` the ``BudgetController`` chooses how much prompt work rides
-along with the decodes (a prompt it would cut goes by layer groups instead: layered_prefill.py; a
-short prompt behind a climb goes whole in the next step, beside the climb's group where its room is
-left, and behind a chunked prompt likewise, its chunk beside them in what is left), and
-``--max-num-partial-prefills`` bounds the prompts mid-prefill.
+Every prefill chunk passes the step's ``PrefillGate``: open by default (the token budget alone limits it); with
+``--target-itl-ms`` the ``BudgetController`` chooses how much prompt work rides along with the decodes (a prompt it
+would cut goes by layer groups instead: layered_prefill.py; a short prompt behind a climb goes whole in the next
+step, beside the climb's group where its room is left, and behind a chunked prompt likewise, its chunk beside them
+in what is left), and ``--max-num-partial-prefills`` bounds the prompts mid-prefill.
 """
 
 from __future__ import annotations

@@ -103,7 +103,8 @@ class LonePrefill:
         return seconds, steps
 
 
-def measure(model: str, prompt_lens: list[int], chunks: list[int | None], repeats: int, dtype: str = "float32") -> list[PrefillTiming]:
+def measure(model: str, prompt_lens: list[int], chunks: list[int | None], repeats: int,
+            dtype: str = "float32") -> list[PrefillTiming]:
     """Every (length, chunk) pair, best of ``repeats``; within a repeat the chunk sizes run in turn, the
     order reversed every other repeat (a shared machine's slow spell then hits every size alike)."""
     longest = max(prompt_lens)

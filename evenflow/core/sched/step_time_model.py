@@ -104,6 +104,7 @@ def largest_chunk_within(cost: StepCosts, context: int, room_s: float) -> float 
         return room_s / b
     return None
 
+
 class StepTimeModel:
     """Recursive least squares over (1, tokens, K/V reads, prefill pairs, requests) with forgetting."""
 
